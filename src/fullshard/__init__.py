@@ -1,0 +1,27 @@
+"""fullshard: fully sharded data parallel (FSDP) training for PyTorch, from first principles.
+
+Swap ``from torch.distributed.fsdp import fully_shard`` for ``from fullshard import fully_shard``.
+"""
+
+from fullshard.engine.api import FSDPModule, UnshardHandle, fully_shard
+from fullshard.engine.clip import clip_grad_norm_
+from fullshard.policies import (
+    CPUOffloadPolicy,
+    FullshardError,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+)
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "FullshardError",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ShardingStrategy",
+    "UnshardHandle",
+    "clip_grad_norm_",
+    "fully_shard",
+]
+__version__ = "0.1.0"

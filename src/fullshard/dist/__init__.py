@@ -1,0 +1,1 @@
+"""dist layer of fullshard (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""engine layer of fullshard (see DESIGN.md)."""

@@ -1,0 +1,82 @@
+"""Gradient clipping over sharded gradients (layer 8): the norm of the *unsharded* model.
+
+Each rank holds a disjoint slice of every sharded gradient, so the global ``p``-norm is the
+``p``-th root of the all-reduced sum of local ``|g|^p`` (a max for the inf-norm). Gradients of
+parameters fullshard does not manage are replicated: they are added once, after the reduce, so
+they are not counted ``world`` times. Every rank ends with the same norm and the same scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from fullshard.dist.collectives import all_reduce
+from fullshard.dist.mesh import default_timeout
+
+
+def _groups(params: list[torch.Tensor]) -> dict[dist.ProcessGroup, list[torch.Tensor]]:
+    out: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
+    for p in params:
+        unit = getattr(p, "_fullshard_unit", None)
+        if unit is not None:
+            out.setdefault(unit.mesh.group, []).append(p)
+    return out
+
+
+def _local(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """This rank's contribution: max |g| for the inf-norm, else sum of |g|^p (in float64)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        if g.numel() == 0:
+            continue  # an empty shard (more ranks than rows) contributes nothing
+        if math.isinf(norm_type):
+            total = torch.maximum(total, g.detach().abs().max().double())
+        else:
+            total += (
+                torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64) ** norm_type
+            )
+    return total
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip gradients of (sharded) parameters by their global norm; returns that norm.
+
+    Call it on every rank with the same parameters: it communicates once per process group.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    with_grad = [p for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float64)
+    sharded_ids: set[int] = set()
+    for group, ps in _groups(with_grad).items():
+        sharded_ids.update(id(p) for p in ps)
+        part = _local([p.grad for p in ps if p.grad is not None], norm_type)
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        all_reduce(
+            part, group, op=op, what="clip_grad_norm_ all-reduce", timeout=default_timeout()
+        ).wait()
+        total = torch.maximum(total, part) if inf else total + part
+    rest = [p.grad for p in with_grad if id(p) not in sharded_ids and p.grad is not None]
+    if rest:
+        part = _local(rest, norm_type)
+        total = torch.maximum(total, part) if inf else total + part
+    norm = total if inf else total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"the total norm of gradients is non-finite ({norm.item()})")
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in with_grad:
+        assert p.grad is not None
+        p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return norm.to(
+        with_grad[0].grad.dtype if with_grad and with_grad[0].grad is not None else torch.float32
+    )

@@ -1,0 +1,197 @@
+"""Module hooks (layer 8): detect when a unit's forward and backward start and end.
+
+What happens at each of those points is decided in ``schedule.py``; this file only finds the
+moments and the root.
+
+NOTE [Post-backward events]
+A unit's backward is over when (a) every trainable gathered parameter that this backward will
+reach has its gradient accumulated, and (b) the gradient with respect to every unit input that
+this backward will reach has been computed (only then is no node left that reads the gathered
+parameters, frozen ones included). We count both kinds of event: a post-accumulate-grad hook on
+each gathered parameter, and a pass-through autograd function on the unit's inputs. On the
+first event of a backward we ask the engine which of those nodes it will execute
+(``_will_engine_execute_node``): that is how many events to wait for. The last one triggers the
+unit's post-backward at the earliest correct moment, also for unused parameters, frozen
+parameters, activation checkpointing and ``backward(inputs=...)``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fullshard.engine.schedule import StepSchedule
+from fullshard.engine.unit import CommUnit
+from fullshard.policies import FullshardError
+
+if TYPE_CHECKING:
+    from torch.autograd.graph import Node
+
+
+class _PostBackwardInputs(torch.autograd.Function):
+    """Identity on the unit's inputs whose backward is one post-backward event."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.state = state
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.state.on_post_backward_event()
+        return (None, *grads)
+
+
+class FSDPState:
+    """The per-module state of one ``fully_shard`` call: its unit, its hooks, its root."""
+
+    def __init__(self, module: nn.Module, unit: CommUnit, reshard_after_forward: bool | None):
+        self.module = module
+        self.unit = unit
+        self.reshard_after_forward_arg = reshard_after_forward
+        self.parent: FSDPState | None = None
+        self.schedule: StepSchedule | None = None
+        self.is_root = False
+        # weak references to this step's input nodes (NOTE [Post-backward events])
+        self._input_nodes: list[weakref.ref[Node]] = []
+        self._events: tuple[int, list[int]] | None = None  # (graph task, [seen, expected])
+        # id -> (fqn, weakref) of the original parameters, to catch ties across units
+        self.originals: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, prepend=False),
+        ]
+        for p in unit.trainable:
+            assert p.unsharded is not None
+            p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+
+    # -- root -----------------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        """On the first forward: this module is the root; set up every unit below it."""
+        if self.schedule is not None:
+            return
+        if self.parent is not None:
+            raise FullshardError(
+                f"rank {self.unit.mesh.rank}: forward ran through unit '{self.unit.name}' before "
+                f"its root (unit '{self.parent.unit.name}' or above) ever ran forward. Call the "
+                "root model (the outermost module you passed to fully_shard) instead of a block "
+                "on its own; the root sets up prefetch and the end-of-backward step."
+            )
+        states: list[FSDPState] = []
+        for name, sub in self.module.named_modules():
+            st: FSDPState | None = getattr(sub, "_fullshard_state", None)
+            if st is None:
+                continue
+            if st.schedule is not None:
+                raise FullshardError(
+                    f"unit '{name}' already belongs to another root; each module may be under "
+                    "one fully_shard root only."
+                )
+            st.unit.name = name or "root"
+            states.append(st)
+        _check_materialized(states)
+        for st in states:
+            if st.unit.shards_detached():
+                st.unit.reattach_shards()
+        schedule = StepSchedule(self.unit, [st.unit for st in states])
+        for st in states:
+            st.schedule = schedule
+            raf = st.reshard_after_forward_arg
+            st.unit.reshard_after_forward = (st is not self) if raf is None else raf
+        self.is_root = True
+
+    # -- forward --------------------------------------------------------------------------
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self.lazy_init()
+        assert self.schedule is not None
+        if self.is_root:
+            self.schedule.begin_forward()
+        self.schedule.pre_forward(self.unit)
+        if torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        assert self.schedule is not None
+        grad = torch.is_grad_enabled()
+        self.schedule.post_forward(self.unit, self.unit.reshard_after_forward or not grad)
+        if grad:
+            self._register_pre_backward(output)
+        if self.is_root:
+            self.schedule.end_forward(grad)
+        return output
+
+    def _register_post_backward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        leaves, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackwardInputs.apply(self, *[leaves[i] for i in idx])
+        for i, t in zip(idx, outs, strict=True):
+            leaves[i] = t
+        assert outs[0].grad_fn is not None
+        self._input_nodes = [r for r in self._input_nodes if r() is not None]
+        self._input_nodes.append(weakref.ref(outs[0].grad_fn))
+        new_args, new_kwargs = tree_unflatten(leaves, spec)
+        return new_args, new_kwargs
+
+    def _register_pre_backward(self, output: Any) -> None:
+        leaves, _ = tree_flatten(output)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+
+    # -- backward -------------------------------------------------------------------------
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        assert self.schedule is not None
+        self.schedule.pre_backward(self.unit)
+
+    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
+        self.on_post_backward_event()
+
+    def on_post_backward_event(self) -> None:
+        """Count one NOTE [Post-backward events]; the last one runs the unit's post-backward."""
+        assert self.schedule is not None
+        task = torch._C._current_graph_task_id()
+        if self._events is None or self._events[0] != task:
+            self._events = (task, [0, self._expected_events()])
+        counts = self._events[1]
+        counts[0] += 1
+        if counts[0] == counts[1]:
+            self.schedule.post_backward(self.unit)
+
+    def _expected_events(self) -> int:
+        nodes: list[Node] = []
+        for p in self.unit.trainable:
+            assert p.unsharded is not None
+            nodes.append(torch.autograd.graph.get_gradient_edge(p.unsharded).node)
+        for ref in self._input_nodes:
+            node = ref()
+            if node is not None:
+                nodes.append(node)
+        return sum(1 for n in nodes if torch._C._will_engine_execute_node(n))
+
+
+def _check_materialized(states: list[FSDPState]) -> None:
+    """Parameters still on the meta device at first forward: name them all, say what to do."""
+    meta = [
+        f"{st.unit.name}.{p.fqn}" if st.unit.name != "root" else p.fqn
+        for st in states
+        for p in st.unit.params
+        if p.sharded.is_meta
+    ]
+    if meta:
+        shown = ", ".join(meta[:8]) + (f" (+{len(meta) - 8} more)" if len(meta) > 8 else "")
+        raise FullshardError(
+            f"{len(meta)} parameter(s) are still on the meta device at the first forward: "
+            f"{shown}. Materialise them after fully_shard and before the first forward, e.g. "
+            "model.to_empty(device='cpu') followed by your init (reset_parameters())."
+        )

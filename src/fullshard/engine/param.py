@@ -1,0 +1,92 @@
+"""One sharded parameter and the gathered storage it views (layer 5): shard, unsharded view, free.
+
+NOTE [Freeing while autograd holds a view]
+Forward saves gathered parameters (or views of them) for backward. We must not drop those tensors,
+only their memory: ``free()`` resizes the underlying *storage* to 0 bytes and ``alloc()`` resizes
+it back. Every view (the module's parameter, autograd's saved tensors) keeps pointing at the same
+storage object, so once backward re-gathers into it, the saved views see the gathered values again.
+
+NOTE [Gather writes do not bump versions]
+Re-gathering writes into storage that autograd saved in forward. Autograd would see the in-place
+write through the version counter and refuse to run backward. The gathered ``nn.Parameter`` is
+therefore built on ``.data`` of its view, which has a version counter of its own: our copy-out
+writes through the flat buffer and leaves the parameter's counter alone. What we write back is
+bit-for-bit what forward saw, so the check is safe to bypass here (FSDP2 does the same with
+``_unsafe_preserve_version_counter``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class GatheredStorage:
+    """A unit's parameter-major gathered buffer whose memory comes and goes (see NOTEs above)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.flat = torch.empty(numel, dtype=dtype, device=device)
+        self._nbytes = numel * self.flat.element_size()
+        self.free()
+
+    @property
+    def allocated(self) -> bool:
+        return self.flat.untyped_storage().size() > 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this buffer holds when allocated."""
+        return self._nbytes
+
+    def alloc(self) -> None:
+        if not self.allocated:
+            self.flat.untyped_storage().resize_(self._nbytes)
+
+    def free(self) -> None:
+        """Release the memory; views stay valid (NOTE [Freeing while autograd holds a view])."""
+        if self.allocated:
+            self.flat.untyped_storage().resize_(0)
+
+
+class ShardedParam:
+    """One parameter of a unit: its rank-local shard and its gathered (unsharded) form.
+
+    ``sharded`` is the ``nn.Parameter`` the optimizer sees: a view of the unit's flat shard buffer,
+    so one collective can send the whole unit without a copy. ``unsharded`` is a view of the unit's
+    ``GatheredStorage`` and is what the module sees while the unit is gathered. ``refs`` lists every
+    ``(module, attribute)`` that holds this parameter (more than one for parameters tied inside
+    the unit).
+    """
+
+    def __init__(
+        self,
+        fqns: list[str],
+        refs: list[tuple[nn.Module, str]],
+        index: int,
+        shape: torch.Size,
+        requires_grad: bool,
+    ) -> None:
+        self.fqns = fqns  # one per ref, relative to the unit's module
+        self.fqn = fqns[0]
+        self.refs = refs
+        self.index = index
+        self.shape = shape
+        self.requires_grad = requires_grad
+        self.sharded: nn.Parameter = nn.Parameter(torch.empty(0), requires_grad=requires_grad)
+        self.unsharded: nn.Parameter | None = None
+
+    def set_sharded_data(self, view: torch.Tensor) -> None:
+        """Point the sharded parameter at ``view`` (keeping the object the optimizer holds)."""
+        self.sharded.data = view
+
+    def make_unsharded(self, view: torch.Tensor) -> nn.Parameter:
+        """Create the gathered parameter on ``view`` (NOTE [Gather writes do not bump versions])."""
+        self.unsharded = nn.Parameter(view.data, requires_grad=self.requires_grad)
+        return self.unsharded
+
+    def expose(self, unsharded: bool) -> None:
+        """Make every owning module see the gathered (``True``) or the sharded parameter."""
+        param = self.unsharded if unsharded else self.sharded
+        assert param is not None
+        for module, name in self.refs:
+            module._parameters[name] = param

@@ -1,0 +1,99 @@
+"""Module state-dict hooks (layer 8, the DTensor boundary): DTensor shards out, any layout in.
+
+``module.state_dict()`` yields every managed parameter as a ``DTensor`` placed ``Shard(0)`` on the
+unit's mesh, wrapping the rank's shard *without copying or communicating*: the DTensor's local
+tensor is the shard itself, so ``torch.distributed.checkpoint.load`` writes straight into it and
+reshards across world sizes on its own.
+
+``load_state_dict`` accepts, for each managed parameter, a DTensor (any placement/mesh: same
+layout is taken as is, anything else is redistributed), a full tensor (each rank keeps its rows)
+or a tensor that already has this rank's shard shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from fullshard.engine.unit import CommUnit
+from fullshard.policies import FullshardError
+from fullshard.shard.layout import chunk_of, local_shape
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (the global stride DTensor reports)."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def shard_as_dtensor(unit: CommUnit, index: int) -> DTensor:
+    """Parameter ``index`` of ``unit`` as a ``Shard(0)`` DTensor over the rank's own shard."""
+    p = unit.params[index]
+    return DTensor.from_local(
+        p.sharded.detach(),
+        unit.mesh.device_mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=p.shape,
+        stride=contiguous_stride(p.shape),
+    )
+
+
+def _to_local_shard(unit: CommUnit, index: int, value: Any, key: str) -> torch.Tensor:
+    p = unit.params[index]
+    world, rank = unit.mesh.world_size, unit.mesh.rank
+    want = local_shape(p.shape, world, rank)
+    if isinstance(value, DTensor):
+        if value.shape != p.shape:
+            raise FullshardError(
+                f"rank {rank}: state dict entry '{key}' has shape {tuple(value.shape)}, the model's "
+                f"parameter has {tuple(p.shape)}."
+            )
+        same = (
+            tuple(value.placements) == (Shard(0),)
+            and value.device_mesh.size() == world
+            and value.to_local().shape == want
+        )
+        if same:
+            return value.to_local()
+        return chunk_of(value.full_tensor(), world, rank)
+    if not isinstance(value, torch.Tensor):
+        raise FullshardError(f"state dict entry '{key}' is a {type(value).__name__}, not a tensor.")
+    if value.shape == p.shape:
+        return chunk_of(value, world, rank)
+    if value.shape == want:
+        return value
+    raise FullshardError(
+        f"rank {rank}: state dict entry '{key}' has shape {tuple(value.shape)}; expected the full "
+        f"shape {tuple(p.shape)} or this rank's shard {tuple(want)}."
+    )
+
+
+def install_state_dict_hooks(module: nn.Module, unit: CommUnit) -> None:
+    """Make ``module.state_dict()``/``load_state_dict()`` speak sharded DTensors for ``unit``."""
+
+    def save_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, meta: Any) -> None:
+        for i, p in enumerate(unit.params):
+            dt = None
+            for fqn in p.fqns:
+                key = prefix + fqn
+                if key in sd:
+                    dt = dt if dt is not None else shard_as_dtensor(unit, i)
+                    sd[key] = dt
+
+    def load_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, *args: Any) -> None:
+        unit.reshard()  # loading writes the shards; the modules must be showing them
+        for i, p in enumerate(unit.params):
+            for fqn in p.fqns:
+                key = prefix + fqn
+                if key in sd:
+                    sd[key] = _to_local_shard(unit, i, sd[key], key)
+
+    module.register_state_dict_post_hook(save_hook)
+    module.register_load_state_dict_pre_hook(load_hook)

@@ -1,0 +1,1 @@
+"""shard layer of fullshard (see DESIGN.md)."""

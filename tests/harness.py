@@ -1,0 +1,135 @@
+"""Multi-process test harness: N gloo ranks on loopback, one thread each, with a deadline.
+
+``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in ``world_size``
+fresh processes that share a process group, and returns every rank's return value (rank order).
+A rank that raises makes the whole call fail with *every* rank's traceback; ranks that are still
+running at the deadline are named in the failure and killed, so a hang becomes a failure that
+says which ranks never finished.
+
+Processes come from a ``forkserver`` that has imported torch once, so each rank starts in a
+fraction of a second instead of re-importing torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 120.0
+
+_ctx: Any = None
+
+
+def _context() -> Any:
+    global _ctx
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(["torch", "torch.distributed", "fullshard"])
+    return _ctx
+
+
+class RanksFailed(AssertionError):
+    """Some rank raised, or did not finish in time."""
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    results: Any,
+    pg_timeout_s: float,
+    args: tuple[Any, ...],
+) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    pg_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return their results.
+
+    ``fn`` must be a module-level function (it is pickled to the ranks) and its return value
+    must be picklable.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, r, world_size, store_path, results, pg_timeout_s, args),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcome: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(outcome) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+                outcome[rank] = (status, value)
+            except queue.Empty:
+                # A rank that died without reporting (killed, segfault) will never report.
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in outcome and p.exitcode is not None and p.exitcode != 0
+                ]
+                if dead and results.empty():
+                    for r in dead:
+                        outcome[r] = ("error", f"process exited with code {procs[r].exitcode}")
+        for p in procs:
+            p.join(timeout=2)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2)
+    missing = [r for r in range(world_size) if r not in outcome]
+    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
+    if missing or errors:
+        parts = []
+        if missing:
+            parts.append(f"ranks {missing} did not finish within {timeout_s:.0f}s (hang?)")
+        for r in sorted(errors):
+            parts.append(f"--- rank {r} raised ---\n{errors[r]}")
+        raise RanksFailed("\n".join(parts))
+    return [outcome[r][1] for r in range(world_size)]
