@@ -63,11 +63,16 @@ def batches(
     ]
 
 
-def shard_toy(model: ToyLM, reshard_root: bool | None = None, **kwargs: object) -> ToyLM:
+def shard_toy(
+    model: ToyLM,
+    reshard_root: bool | None = None,
+    reshard_blocks: bool | None = None,
+    **kwargs: object,
+) -> ToyLM:
     from fullshard import fully_shard
 
     for block in model.blocks:
-        fully_shard(block, **kwargs)  # type: ignore[arg-type]
+        fully_shard(block, reshard_after_forward=reshard_blocks, **kwargs)  # type: ignore[arg-type]
     fully_shard(model, reshard_after_forward=reshard_root, **kwargs)  # type: ignore[arg-type]
     return model
 

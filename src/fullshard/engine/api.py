@@ -153,7 +153,10 @@ def _collect_params(module: nn.Module) -> tuple[_Found, list[FSDPState]]:
     return found, children
 
 
-def _check_params(found: _Found, children: list[FSDPState], unit_name: str) -> None:
+def _check_params(
+    found: _Found, children: list[FSDPState], unit_name: str, module: nn.Module
+) -> None:
+    child_path = {id(m): name for name, m in module.named_modules() if isinstance(m, FSDPModule)}
     for fqns, p, _refs in found.values():
         fqn = fqns[0]
         owner = getattr(p, "_fullshard_unit", None)
@@ -166,10 +169,12 @@ def _check_params(found: _Found, children: list[FSDPState], unit_name: str) -> N
         for child in children:
             other = child.originals.get(id(p))
             if other is not None and other[1]() is p:
+                path = child_path.get(id(child.module), type(child.module).__name__)
                 raise FullshardError(
-                    f"parameter '{fqn}' of {unit_name} is tied to '{other[0]}' of nested unit "
-                    f"'{type(child.module).__name__}'; tied parameters must live in one unit. "
-                    "Do not fully_shard the nested module on its own, or untie the weights."
+                    f"parameter '{fqn}' of {unit_name} is tied to '{path}.{other[0]}' of the "
+                    f"nested unit '{path}'; tied parameters must live in one unit. Do not call "
+                    f"fully_shard on '{path}' on its own (its parent's unit will hold both), or "
+                    "untie the weights."
                 )
         if p.dim() == 0:
             raise FullshardError(
@@ -224,7 +229,7 @@ def fully_shard(
         )
     info = mesh_info(mesh)
     found, children = _collect_params(module)
-    _check_params(found, children, unit_name)
+    _check_params(found, children, unit_name, module)
     entries = list(found.values())
     params = [
         ShardedParam(fqns, refs, i, p.shape, p.requires_grad)

@@ -93,10 +93,9 @@ class FSDPState:
                 )
             st.unit.name = name or "root"
             states.append(st)
-        _check_materialized(states)
         for st in states:
-            if st.unit.shards_detached():
-                st.unit.reattach_shards()
+            st.unit.refresh_shards()
+        _check_materialized(states)
         schedule = StepSchedule(self.unit, [st.unit for st in states])
         for st in states:
             st.schedule = schedule

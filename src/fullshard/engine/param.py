@@ -72,12 +72,32 @@ class ShardedParam:
         self.index = index
         self.shape = shape
         self.requires_grad = requires_grad
-        self.sharded: nn.Parameter = nn.Parameter(torch.empty(0), requires_grad=requires_grad)
+        self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by set_sharded_data
         self.unsharded: nn.Parameter | None = None
 
     def set_sharded_data(self, view: torch.Tensor) -> None:
-        """Point the sharded parameter at ``view`` (keeping the object the optimizer holds)."""
-        self.sharded.data = view
+        """Point the sharded parameter at ``view``.
+
+        The ``nn.Parameter`` object is kept where possible (an optimizer may hold it); only a
+        first call or a change of device (meta -> cpu) needs a new one.
+        """
+        if self.sharded is not None and self.sharded.device == view.device:
+            self.sharded.data = view
+        else:
+            self.sharded = nn.Parameter(view, requires_grad=self.requires_grad)
+
+    def adopt_module_param(self) -> bool:
+        """Take over the parameter the module holds now, if ``_apply`` (``to_empty``, ``.to()``)
+        replaced our object; every tied reference is pointed at it again. Returns whether it did.
+        """
+        module, name = self.refs[0]
+        current = module._parameters[name]
+        if current is None or current is self.sharded or current is self.unsharded:
+            return False
+        self.sharded = current
+        for m, n in self.refs:
+            m._parameters[n] = current
+        return True
 
     def make_unsharded(self, view: torch.Tensor) -> nn.Parameter:
         """Create the gathered parameter on ``view`` (NOTE [Gather writes do not bump versions])."""

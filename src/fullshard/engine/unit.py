@@ -104,8 +104,26 @@ class CommUnit:
                 p.set_sharded_data(self.layout.shard_view(flat, i, self.mesh.rank))
         self.shard_flat = flat
 
-    def shards_detached(self) -> bool:
-        """True if some shard no longer views the flat buffer (e.g. after ``to_empty``)."""
+    def refresh_shards(self) -> None:
+        """Re-adopt shards that ``_apply`` (``to_empty``, ``.to()``) replaced or moved, and copy
+        them back into a flat buffer, so one collective can send the unit again."""
+        if self._shards_detached():
+            self.reattach_shards()
+
+    def _shards_detached(self) -> bool:
+        adopted = [p.adopt_module_param() for p in self.params]
+        for p in self.params:
+            p.sharded._fullshard_unit = self  # type: ignore[attr-defined]
+            if p.sharded.dtype != self.dtype:
+                raise FullshardError(
+                    f"sharded parameter '{p.fqn}' of unit '{self.name}' changed dtype from "
+                    f"{self.dtype} to {p.sharded.dtype} after fully_shard; cast the model "
+                    "(model.to(dtype)) before calling fully_shard."
+                )
+        if any(p.sharded.is_meta for p in self.params):
+            return False  # nothing to copy yet; the meta check at first forward explains
+        if any(adopted):
+            return True
         start = self.shard_flat.data_ptr() if not self.shard_flat.is_meta else -1
         for i, p in enumerate(self.params):
             t = p.sharded
