@@ -48,19 +48,19 @@ def test_state_dict_is_dtensor_shards_and_loads_back() -> None:
         assert res == {"no_copy": True, "equal": True, "dt": True, "full": True}
 
 
-def _accumulate(rank: int, world: int, k: int) -> dict:
+def _accumulate(rank: int, world: int, k: int, sync_every: bool = False) -> dict:
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     ref = ToyLM()
     model = shard_toy(copy.deepcopy(ref))
     data = batches(k, world)
-    reduces_during_nosync = []
+    reduces_before_last = []
     for i in range(k):
-        model.set_requires_gradient_sync(i == k - 1)
+        model.set_requires_gradient_sync(sync_every or i == k - 1)
         with C10dCounter() as c:
             loss_of(model, data[i][rank]).backward()
         if i < k - 1:
-            reduces_during_nosync.append(c.calls.get("reduce_scatter", 0))
+            reduces_before_last.append(c.calls.get("reduce_scatter", 0))
     # reference: one big batch = all k x world micro-batches, summed, divided by world
     for i in range(k):
         for r in range(world):
@@ -79,13 +79,20 @@ def _accumulate(rank: int, world: int, k: int) -> dict:
             stride=q.stride(),
         ).full_tensor()
         diff = max(diff, (full_grad - q.grad / world).abs().max().item())
-    return {"diff": diff, "reduces_during_nosync": reduces_during_nosync}
+    return {"diff": diff, "reduces_before_last": reduces_before_last}
 
 
 def test_gradient_accumulation_without_sync_equals_one_big_batch() -> None:
     for res in run_ranks(_accumulate, 2, 3):
         assert res["diff"] <= 1e-12, res
-        assert res["reduces_during_nosync"] == [0, 0]
+        assert res["reduces_before_last"] == [0, 0]
+
+
+def test_sharded_gradients_accumulate_across_backward_calls() -> None:
+    # sync on every backward: each reduce-scatter adds into .grad, like plain PyTorch
+    for res in run_ranks(_accumulate, 3, 2, True):
+        assert res["diff"] <= 1e-12, res
+        assert res["reduces_before_last"] == [4]  # one per unit, every backward
 
 
 def _manual(rank: int, world: int) -> dict:
