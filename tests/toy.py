@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 VOCAB, DIM, HIDDEN = 37, 12, 13
@@ -30,8 +31,9 @@ class Block(nn.Module):
 
 
 class ToyLM(nn.Module):
-    def __init__(self, n_blocks: int = 3, tie: bool = True) -> None:
+    def __init__(self, n_blocks: int = 3, tie: bool = True, checkpoint: str = "") -> None:
         super().__init__()
+        self.checkpoint = checkpoint
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList([Block(frozen=(i == 1)) for i in range(n_blocks)])
         self.norm = nn.LayerNorm(DIM)
@@ -42,7 +44,11 @@ class ToyLM(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint:
+                reentrant = self.checkpoint == "reentrant"
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+            else:
+                x = block(x)
         return self.head(self.norm(x))
 
 

@@ -107,6 +107,11 @@ class FSDPState:
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if _recomputing():
+            assert self.schedule is not None
+            self.schedule.pre_recompute(self.unit)
+            # reentrant checkpointing runs the unit's backward on this recomputed graph
+            return self._register_post_backward(args, kwargs)
         self.lazy_init()
         assert self.schedule is not None
         if self.is_root:
@@ -117,6 +122,8 @@ class FSDPState:
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if _recomputing():
+            return output  # the unit's backward is about to use these parameters: keep them
         assert self.schedule is not None
         grad = torch.is_grad_enabled()
         self.schedule.post_forward(self.unit, self.unit.reshard_after_forward or not grad)
@@ -177,6 +184,15 @@ class FSDPState:
             if node is not None:
                 nodes.append(node)
         return sum(1 for n in nodes if torch._C._will_engine_execute_node(n))
+
+
+def _recomputing() -> bool:
+    """True when a forward runs inside backward: activation checkpointing recomputing a unit.
+
+    Such a forward must not record prefetch order, prefetch, register backward hooks or free
+    anything: it is part of the unit's backward, which is already gathered.
+    """
+    return torch._C._current_graph_task_id() != -1
 
 
 def _check_materialized(states: list[FSDPState]) -> None:

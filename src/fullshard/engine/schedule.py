@@ -66,6 +66,10 @@ class StepSchedule:
         self.prefetcher.record_pre_forward(unit)
         self.prefetcher.prefetch(self.prefetcher.forward_targets(unit), "forward prefetch")
 
+    def pre_recompute(self, unit: CommUnit) -> None:
+        """A forward recomputed inside backward (activation checkpointing) needs the unit."""
+        finish_gather(unit, "recompute")
+
     def post_forward(self, unit: CommUnit, reshard: bool) -> None:
         self.prefetcher.record_post_forward(unit)
         if reshard:
