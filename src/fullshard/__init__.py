@@ -5,6 +5,8 @@ Swap ``from torch.distributed.fsdp import fully_shard`` for ``from fullshard imp
 
 from fullshard.engine.api import FSDPModule, UnshardHandle, fully_shard
 from fullshard.engine.clip import clip_grad_norm_
+from fullshard.engine.grad_scaler import ShardedGradScaler
+from fullshard.engine.parallelize import parallelize
 from fullshard.policies import (
     CPUOffloadPolicy,
     FullshardError,
@@ -19,9 +21,11 @@ __all__ = [
     "FullshardError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ShardedGradScaler",
     "ShardingStrategy",
     "UnshardHandle",
     "clip_grad_norm_",
     "fully_shard",
+    "parallelize",
 ]
 __version__ = "0.1.0"

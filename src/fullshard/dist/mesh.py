@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from fullshard.policies import FullshardError
 
@@ -27,25 +29,38 @@ def default_timeout() -> timedelta:
 
 @dataclass
 class MeshInfo:
-    """The group a unit shards over, with its rank, size, device and wait timeout."""
+    """The groups a unit works over, with ranks, sizes, device and wait timeout.
+
+    ``group`` is the *shard* group (all-gather and reduce-scatter run there). On a 2-D mesh
+    ``(replicate, shard)`` (HYBRID_SHARD; NO_SHARD is the shard size 1 case) ``replicate_group``
+    joins the ranks that hold the same shard; their gradients are all-reduced across it.
+    """
 
     group: dist.ProcessGroup
     rank: int
     world_size: int
     device: torch.device
     timeout: timedelta = field(default_factory=default_timeout)
+    replicate_group: dist.ProcessGroup | None = None
+    replicate_size: int = 1
     _mesh: DeviceMesh | None = None
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The 1-D DeviceMesh of the shard group (created on first use, for DTensor only)."""
+        """The DeviceMesh the DTensors of the state dict live on (created on first use)."""
         if self._mesh is None:
             self._mesh = DeviceMesh.from_group(self.group, self.device.type)
         return self._mesh
 
     @property
-    def global_rank(self) -> int:
-        return dist.get_rank()
+    def placements(self) -> tuple[Placement, ...]:
+        """DTensor placements of a sharded parameter on ``device_mesh``."""
+        return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks see different data: gradients are averaged over this many."""
+        return self.world_size * self.replicate_size
 
 
 def _compute_device(backend: str) -> torch.device:
@@ -55,7 +70,7 @@ def _compute_device(backend: str) -> torch.device:
 
 
 def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
-    """Build the MeshInfo for ``fully_shard(mesh=...)``."""
+    """Build the MeshInfo for ``fully_shard(mesh=...)``: None, 1-D (shard) or 2-D (replicate, shard)."""
     if not dist.is_available() or not dist.is_initialized():
         raise FullshardError(
             "fully_shard needs an initialised process group: call "
@@ -66,16 +81,26 @@ def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
         group = dist.group.WORLD
         assert group is not None
         backend = dist.get_backend(group)
-        return MeshInfo(group, dist.get_rank(group), dist.get_world_size(group), _compute_device(backend))
-    if mesh.ndim != 1:
-        raise FullshardError(
-            f"fully_shard got a {mesh.ndim}-D DeviceMesh; this version shards over a 1-D mesh "
-            "(pass mesh=None for the default group, or a 1-D DeviceMesh)."
+        return MeshInfo(
+            group, dist.get_rank(group), dist.get_world_size(group), _compute_device(backend)
         )
-    group = mesh.get_group(0)
+    if mesh.ndim not in (1, 2):
+        raise FullshardError(
+            f"fully_shard got a {mesh.ndim}-D DeviceMesh; pass a 1-D mesh (shard) or a 2-D mesh "
+            "(replicate, shard) for hybrid sharding."
+        )
     device = torch.device(mesh.device_type)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
+    shard_dim = mesh.ndim - 1
+    group = mesh.get_group(shard_dim)
+    replicate = mesh.get_group(0) if mesh.ndim == 2 else None
     return MeshInfo(
-        group, dist.get_rank(group), dist.get_world_size(group), device, _mesh=mesh
+        group,
+        dist.get_rank(group),
+        dist.get_world_size(group),
+        device,
+        replicate_group=replicate,
+        replicate_size=dist.get_world_size(replicate) if replicate is not None else 1,
+        _mesh=mesh,
     )

@@ -223,10 +223,6 @@ def fully_shard(
         raise FullshardError(
             f"{unit_name} was already passed to fully_shard; wrap each module once."
         )
-    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
-        raise FullshardError(
-            f"offload_policy={offload_policy!r} is not supported yet; pass None (no offload)."
-        )
     info = mesh_info(mesh)
     found, children = _collect_params(module)
     _check_params(found, children, unit_name, module)
@@ -236,7 +232,13 @@ def fully_shard(
         for i, (fqns, p, refs) in enumerate(entries)
     ]
     unit = CommUnit(
-        type(module).__name__, module, params, [p for _, p, _ in entries], info, mp_policy
+        type(module).__name__,
+        module,
+        params,
+        [p for _, p, _ in entries],
+        info,
+        mp_policy,
+        offload_policy,
     )
     for sp in params:
         sp.sharded._fullshard_unit = unit  # type: ignore[attr-defined]

@@ -18,18 +18,21 @@ from fullshard.dist.collectives import all_reduce
 from fullshard.dist.mesh import default_timeout
 
 
-def _groups(params: list[torch.Tensor]) -> dict[dist.ProcessGroup, list[torch.Tensor]]:
-    out: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
+def _groups(
+    params: list[torch.Tensor],
+) -> dict[dist.ProcessGroup, tuple[torch.device, list[torch.Tensor]]]:
+    """Sharded parameters by shard group, with the device that group communicates on."""
+    out: dict[dist.ProcessGroup, tuple[torch.device, list[torch.Tensor]]] = {}
     for p in params:
         unit = getattr(p, "_fullshard_unit", None)
         if unit is not None:
-            out.setdefault(unit.mesh.group, []).append(p)
+            out.setdefault(unit.mesh.group, (unit.mesh.device, []))[1].append(p)
     return out
 
 
-def _local(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+def _local(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """This rank's contribution: max |g| for the inf-norm, else sum of |g|^p (in float64)."""
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         if g.numel() == 0:
             continue  # an empty shard (more ranks than rows) contributes nothing
@@ -56,19 +59,21 @@ def clip_grad_norm_(
     with_grad = [p for p in params if p.grad is not None]
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
-    total = torch.zeros((), dtype=torch.float64)
+    device = with_grad[0].device if with_grad else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
     sharded_ids: set[int] = set()
-    for group, ps in _groups(with_grad).items():
+    for group, (comm_device, ps) in _groups(with_grad).items():
         sharded_ids.update(id(p) for p in ps)
-        part = _local([p.grad for p in ps if p.grad is not None], norm_type)
+        part = _local([p.grad for p in ps if p.grad is not None], norm_type, comm_device)
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         all_reduce(
             part, group, op=op, what="clip_grad_norm_ all-reduce", timeout=default_timeout()
         ).wait()
+        part = part.to(device)
         total = torch.maximum(total, part) if inf else total + part
     rest = [p.grad for p in with_grad if id(p) not in sharded_ids and p.grad is not None]
     if rest:
-        part = _local(rest, norm_type)
+        part = _local(rest, norm_type, device)
         total = torch.maximum(total, part) if inf else total + part
     norm = total if inf else total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
@@ -76,7 +81,7 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in with_grad:
         assert p.grad is not None
-        p.grad.detach().mul_(coef.to(p.grad.dtype))
+        p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
     return norm.to(
         with_grad[0].grad.dtype if with_grad and with_grad[0].grad is not None else torch.float32
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fullshard.dist.collectives import all_gather
+from fullshard.dist.collectives import Pending, all_gather
 from fullshard.engine.unit import CommUnit, UnitState
 
 
@@ -22,10 +22,20 @@ def start_gather(unit: CommUnit, why: str = "gather") -> None:
     """Issue the unit's all-gather if it is not gathered or gathering already."""
     if unit.state is not UnitState.SHARDED:
         return
-    send = unit.shard_flat
-    if send.dtype != unit.compute_dtype:
-        # Mixed precision: the gather moves param_dtype bytes, the shards stay in full precision.
-        send = send.to(unit.compute_dtype)
+    if unit.storage.aliased:
+        # One-rank shard group: the shards are the whole parameters; nothing to move.
+        unit.gather_in_flight = (Pending(None, "", unit.mesh.timeout), unit.storage.flat)
+        unit.state = UnitState.GATHERING
+        return
+    # Offload: shards live on the CPU and travel to the compute device for the gather.
+    # Mixed precision: the gather moves param_dtype bytes; the shards stay in full precision.
+    send = unit.shard_flat.to(unit.mesh.device, unit.compute_dtype, non_blocking=True)
+    if unit.mesh.world_size == 1:
+        unit.storage.alloc()
+        unit.storage.flat.copy_(send)
+        unit.gather_in_flight = (Pending(None, "", unit.mesh.timeout), unit.storage.flat)
+        unit.state = UnitState.GATHERING
+        return
     if _direct(unit):
         unit.storage.alloc()
         out = unit.storage.flat
@@ -54,7 +64,7 @@ def finish_gather(unit: CommUnit, why: str = "gather") -> None:
     pending, out = unit.gather_in_flight
     unit.gather_in_flight = None
     pending.wait()
-    if not _direct(unit):
+    if not (_direct(unit) or unit.mesh.world_size == 1):
         unit.storage.alloc()
         with torch.no_grad():
             unit.layout.copy_out(out, unit.storage.flat)

@@ -117,6 +117,9 @@ class FSDPState:
         if self.is_root:
             self.schedule.begin_forward()
         self.schedule.pre_forward(self.unit)
+        mp = self.unit.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
@@ -127,6 +130,8 @@ class FSDPState:
         assert self.schedule is not None
         grad = torch.is_grad_enabled()
         self.schedule.post_forward(self.unit, self.unit.reshard_after_forward or not grad)
+        if self.unit.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.unit.mp_policy.output_dtype)
         if grad:
             self._register_pre_backward(output)
         if self.is_root:
@@ -184,6 +189,15 @@ class FSDPState:
             if node is not None:
                 nodes.append(node)
         return sum(1 for n in nodes if torch._C._will_engine_execute_node(n))
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a pytree to ``dtype`` (mixed precision)."""
+    leaves, spec = tree_flatten(tree)
+    leaves = [
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves
+    ]
+    return tree_unflatten(leaves, spec)
 
 
 def _recomputing() -> bool:

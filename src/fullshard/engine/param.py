@@ -22,16 +22,28 @@ from torch import nn
 
 
 class GatheredStorage:
-    """A unit's parameter-major gathered buffer whose memory comes and goes (see NOTEs above)."""
+    """A unit's parameter-major gathered buffer whose memory comes and goes (see NOTEs above).
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.flat = torch.empty(numel, dtype=dtype, device=device)
+    With ``alias`` the gathered parameters view the shard buffer itself: a shard group of one
+    rank (NO_SHARD, or the shard dimension of size 1) holds whole parameters, so there is nothing
+    to gather and nothing to free.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        alias: torch.Tensor | None = None,
+    ) -> None:
+        self.aliased = alias is not None
+        self.flat = alias if alias is not None else torch.empty(numel, dtype=dtype, device=device)
         self._nbytes = numel * self.flat.element_size()
         self.free()
 
     @property
     def allocated(self) -> bool:
-        return self.flat.untyped_storage().size() > 0
+        return self.aliased or self.flat.untyped_storage().size() > 0
 
     @property
     def nbytes(self) -> int:
@@ -44,7 +56,7 @@ class GatheredStorage:
 
     def free(self) -> None:
         """Release the memory; views stay valid (NOTE [Freeing while autograd holds a view])."""
-        if self.allocated:
+        if not self.aliased and self.allocated:
             self.flat.untyped_storage().resize_(0)
 
 
@@ -100,8 +112,15 @@ class ShardedParam:
         return True
 
     def make_unsharded(self, view: torch.Tensor) -> nn.Parameter:
-        """Create the gathered parameter on ``view`` (NOTE [Gather writes do not bump versions])."""
-        self.unsharded = nn.Parameter(view.data, requires_grad=self.requires_grad)
+        """Create (or re-point) the gathered parameter on ``view``.
+
+        See NOTE [Gather writes do not bump versions]. An existing object is kept (only its data
+        moves) because its post-accumulate-grad hook is registered on it.
+        """
+        if self.unsharded is not None and self.unsharded.device == view.device:
+            self.unsharded.data = view.data
+        else:
+            self.unsharded = nn.Parameter(view.data, requires_grad=self.requires_grad)
         return self.unsharded
 
     def expose(self, unsharded: bool) -> None:

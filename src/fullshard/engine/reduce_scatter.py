@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fullshard.dist.collectives import Pending, reduce_scatter
+from fullshard.dist.collectives import Pending, all_reduce, reduce_scatter
 from fullshard.engine.unit import CommUnit
 
 
@@ -29,6 +29,7 @@ class ReduceInFlight:
     pending: Pending
     out: torch.Tensor
     full: torch.Tensor  # kept alive until the collective has read it
+    replicate_pending: Pending | None = None  # HYBRID: the all-reduce across replicas
 
 
 def start_reduce_scatter(unit: CommUnit) -> None:
@@ -41,7 +42,7 @@ def start_reduce_scatter(unit: CommUnit) -> None:
     for p in unit.trainable:
         assert p.unsharded is not None
         grads.append(p.unsharded.grad)
-    dtype, device = unit.reduce_dtype, unit.shard_flat.device
+    dtype, device = unit.reduce_dtype, unit.mesh.device
     present = torch.tensor([[g is not None for g in grads]], dtype=dtype, device=device)
     full = unit.grad_layout.pack_for_reduce(
         grads, dtype=dtype, device=device, extra=present.expand(world, -1)
@@ -49,17 +50,34 @@ def start_reduce_scatter(unit: CommUnit) -> None:
     for p in unit.trainable:
         assert p.unsharded is not None
         p.unsharded.grad = None  # the packed copy is all we need: free the full gradients now
-    out = torch.empty(full.shape[1], dtype=dtype, device=device)
-    pending = reduce_scatter(
-        out,
-        full,
-        unit.mesh.group,
-        stats=unit.stats,
-        what=f"reduce-scatter of unit '{unit.name}'",
-        unit=unit.name,
-        timeout=unit.mesh.timeout,
-    )
+    if world == 1:
+        out = full.view(-1)  # one-rank shard group: the full gradient is the shard
+        pending = Pending(None, "", unit.mesh.timeout)
+    else:
+        out = torch.empty(full.shape[1], dtype=dtype, device=device)
+        pending = reduce_scatter(
+            out,
+            full,
+            unit.mesh.group,
+            stats=unit.stats,
+            what=f"reduce-scatter of unit '{unit.name}'",
+            unit=unit.name,
+            timeout=unit.mesh.timeout,
+        )
     unit.reduce_in_flight = ReduceInFlight(pending, out, full)
+    if unit.mesh.replicate_group is not None:
+        # HYBRID / NO_SHARD: the shard's sum over the replicas. Collectives of two different
+        # groups are not ordered against each other, so the reduce-scatter must land first;
+        # the all-reduce then overlaps with the next unit's backward.
+        pending.wait()
+        unit.reduce_in_flight.replicate_pending = all_reduce(
+            out,
+            unit.mesh.replicate_group,
+            stats=unit.stats,
+            what=f"all-reduce across replicas of unit '{unit.name}'",
+            unit=unit.name,
+            timeout=unit.mesh.timeout,
+        )
 
 
 def finish_reduce_scatter(unit: CommUnit) -> None:
@@ -69,10 +87,13 @@ def finish_reduce_scatter(unit: CommUnit) -> None:
         return
     unit.reduce_in_flight = None
     inflight.pending.wait()
+    if inflight.replicate_pending is not None:
+        inflight.replicate_pending.wait()
     layout, rank = unit.grad_layout, unit.mesh.rank
-    shard = inflight.out[: layout.shard_numel]
-    counts = inflight.out[layout.shard_numel :].tolist()  # NOTE [Which gradients exist]
-    shard.div_(unit.mesh.world_size)
+    out = inflight.out.to(unit.shard_device)  # offload: grads live on CPU (blocking: read next)
+    shard = out[: layout.shard_numel]
+    counts = out[layout.shard_numel :].tolist()  # NOTE [Which gradients exist]
+    shard.div_(unit.mesh.data_parallel_size)
     for j, p in enumerate(unit.trainable):
         if counts[j] == 0:
             continue

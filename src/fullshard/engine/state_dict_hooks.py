@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError
@@ -38,7 +38,7 @@ def shard_as_dtensor(unit: CommUnit, index: int) -> DTensor:
     return DTensor.from_local(
         p.sharded.detach(),
         unit.mesh.device_mesh,
-        [Shard(0)],
+        list(unit.mesh.placements),
         run_check=False,
         shape=p.shape,
         stride=contiguous_stride(p.shape),
@@ -56,8 +56,8 @@ def _to_local_shard(unit: CommUnit, index: int, value: Any, key: str) -> torch.T
                 f"parameter has {tuple(p.shape)}."
             )
         same = (
-            tuple(value.placements) == (Shard(0),)
-            and value.device_mesh.size() == world
+            tuple(value.placements) == unit.mesh.placements
+            and value.device_mesh.size() == world * unit.mesh.replicate_size
             and value.to_local().shape == want
         )
         if same:

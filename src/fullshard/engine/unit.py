@@ -23,7 +23,12 @@ from torch import nn
 from fullshard.dist.collectives import CommStats, Pending
 from fullshard.dist.mesh import MeshInfo
 from fullshard.engine.param import GatheredStorage, ShardedParam
-from fullshard.policies import FullshardError, MixedPrecisionPolicy
+from fullshard.policies import (
+    CPUOffloadPolicy,
+    FullshardError,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from fullshard.shard.layout import FlatLayout
 
 if TYPE_CHECKING:
@@ -52,6 +57,7 @@ class CommUnit:
         originals: list[torch.Tensor],
         mesh: MeshInfo,
         mp_policy: MixedPrecisionPolicy,
+        offload: OffloadPolicy | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -77,14 +83,38 @@ class CommUnit:
         self.dtype = originals[0].dtype if originals else torch.float32
         self.compute_dtype = mp_policy.param_dtype or self.dtype
         self.reduce_dtype = mp_policy.reduce_dtype or self.dtype
+        # CPUOffloadPolicy: shards, gradients and the optimizer step live on the CPU
+        self.offload = isinstance(offload, CPUOffloadPolicy)
+        self.shard_device = torch.device("cpu") if self.offload else mesh.device
+        self.pin_memory = (
+            self.offload
+            and isinstance(offload, CPUOffloadPolicy)
+            and offload.pin_memory
+            and torch.cuda.is_available()
+        )
         self.layout = FlatLayout([p.shape for p in params], mesh.world_size)
         self.trainable = [p for p in params if p.requires_grad]
         self.grad_layout = FlatLayout([p.shape for p in self.trainable], mesh.world_size)
         self.shard_flat = torch.zeros(0)
         self.load_shards(originals)
-        self.storage = GatheredStorage(self.layout.total_numel, self.compute_dtype, mesh.device)
+
+    @property
+    def aliased(self) -> bool:
+        """One-rank shard group, same dtype, same device: gathered params view the shards."""
+        return (
+            self.mesh.world_size == 1
+            and self.compute_dtype == self.dtype
+            and self.shard_device == self.mesh.device
+        )
+
+    def _build_storage(self) -> None:
+        # (meta shards: real storage for now; refresh_shards rebuilds it once they are real)
+        alias = self.shard_flat if self.aliased and not self.shard_flat.is_meta else None
+        self.storage = GatheredStorage(
+            self.layout.total_numel, self.compute_dtype, self.mesh.device, alias=alias
+        )
         self.storage.alloc()
-        for i, p in enumerate(params):
+        for i, p in enumerate(self.params):
             p.make_unsharded(self.layout.gathered_view(self.storage.flat, i))
         self.storage.free()
 
@@ -95,14 +125,19 @@ class CommUnit:
         The sharded ``nn.Parameter`` objects are kept (only their ``.data`` changes), so an
         optimizer built earlier still holds the right objects.
         """
-        device = fulls[0].device if fulls and fulls[0].is_meta else self.mesh.device
-        flat = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        device = fulls[0].device if fulls and fulls[0].is_meta else self.shard_device
+        flat = self._new_flat(device)
         with torch.no_grad():
             if not flat.is_meta:
-                self.layout.pack_shard([t.detach() for t in fulls], self.mesh.rank, flat)
+                self.layout.pack_shard([t.detach().to(device) for t in fulls], self.mesh.rank, flat)
             for i, p in enumerate(self.params):
                 p.set_sharded_data(self.layout.shard_view(flat, i, self.mesh.rank))
         self.shard_flat = flat
+        self._build_storage()
+
+    def _new_flat(self, device: torch.device) -> torch.Tensor:
+        flat = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        return flat.pin_memory() if self.pin_memory and not flat.is_meta else flat
 
     def refresh_shards(self) -> None:
         """Re-adopt shards that ``_apply`` (``to_empty``, ``.to()``) replaced or moved, and copy
@@ -139,7 +174,7 @@ class CommUnit:
     def reattach_shards(self) -> None:
         """Copy shards that were replaced (``to_empty``, ``.to()``) back into a flat buffer."""
         world, rank = self.mesh.world_size, self.mesh.rank
-        flat = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.mesh.device)
+        flat = self._new_flat(self.shard_device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 view = self.layout.shard_view(flat, i, rank)
@@ -152,6 +187,7 @@ class CommUnit:
                 view.copy_(p.sharded.detach())
                 p.set_sharded_data(view)
         self.shard_flat = flat
+        self._build_storage()
 
     # -- free (the gathered window) -------------------------------------------------------
     def reshard(self) -> None:
