@@ -12,6 +12,7 @@ fraction of a second instead of re-importing torch.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -64,7 +65,10 @@ def _worker(
             timeout=timedelta(seconds=pg_timeout_s),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # Tensors go through the queue as bytes: shared-memory handles would die with the rank.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -132,4 +136,6 @@ def run_ranks(
         for r in sorted(errors):
             parts.append(f"--- rank {r} raised ---\n{errors[r]}")
         raise RanksFailed("\n".join(parts))
-    return [outcome[r][1] for r in range(world_size)]
+    import torch
+
+    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,88 @@
+"""The ``fullshard`` command: a thin argparse front end; each subcommand calls into a module.
+
+``fullshard train`` outside torchrun validates the config once (a bad input gives one clear
+message, not one per rank) and re-launches itself on ``--nproc`` local ranks; under torchrun
+(launched by us or by an external ``torchrun --nnodes ...``) it trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fullshard.app.config import (
+    ConfigError,
+    add_train_arguments,
+    config_from_args,
+    to_flags,
+    validate,
+)
+
+__all__ = ["build_parser", "main"]
+
+TRAIN_EPILOG = """\
+examples:
+  fullshard train                                  # the demo: 2 CPU ranks, 'demo' model, Python docs
+  fullshard train --nproc 4 --model small --strategy shard_grad_op
+  fullshard train --config run.toml --max-steps 100 # flags override the TOML file
+  torchrun --nnodes 2 --nproc-per-node 8 ... -m fullshard.app.cli train --model 1b
+
+Each run writes runs/<name>/: config.toml (resolved), metrics.jsonl, loss.png, sample.txt and
+summary.json.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fullshard`` argument parser with its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="fullshard",
+        description="Fully sharded data parallel training for PyTorch.",
+        allow_abbrev=False,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser(
+        "train",
+        help="train a decoder-only language model on N ranks",
+        description="Train a decoder-only transformer LM with fullshard on N ranks.",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add_train_arguments(train)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from fullshard.app.launch import launch_local, under_torchrun, world_size_from_env
+
+    cfg = config_from_args(args)
+    validate(cfg, world_size_from_env(cfg.nproc))
+    if not under_torchrun():
+        # The ranks get the resolved config as explicit full-name flags, not our raw argv:
+        # torchrun's own parser would otherwise claim abbreviations such as "--nproc"
+        # (a prefix of its --nproc-per-node), and the ranks need no config file.
+        return launch_local(cfg.nproc, ["train", *to_flags(cfg, exclude=("nproc",))])
+    from fullshard.app.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fullshard`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+    except ConfigError as exc:
+        # One line on stderr and status 2 (argparse's convention for usage errors), on every rank.
+        print(f"fullshard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

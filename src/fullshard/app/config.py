@@ -1,0 +1,348 @@
+"""``TrainConfig``: every option of ``fullshard train``, from defaults, a TOML file and the CLI.
+
+Precedence: dataclass defaults < ``--config FILE.toml`` < command-line flags. The argparse parser
+is generated from the dataclass fields (their ``help`` metadata), so ``fullshard train --help``
+documents every option and cannot drift from the config. :func:`validate` raises
+:class:`ConfigError` with the same message on every rank, before any collective runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "STRATEGIES",
+    "ConfigError",
+    "TrainConfig",
+    "add_train_arguments",
+    "config_from_args",
+    "load_toml",
+    "to_flags",
+    "to_toml",
+    "validate",
+]
+
+# Sharding strategies the engine supports today (names as in FSDP1's ShardingStrategy).
+STRATEGIES = ("full_shard", "shard_grad_op")
+MIXED_PRECISION = ("none", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """Bad training input: the message says what is wrong and what to do."""
+
+
+def _opt(default: Any, help: str, *, group: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """Every option of a training run (see ``fullshard train --help``)."""
+
+    # model and data
+    model: str = _opt(
+        "demo",
+        "model: a built-in size (tiny, demo, small, gpt2-124m, 1b, 7b), hf:NAME for a built-in "
+        "Hugging Face config (llama-tiny, gpt2-tiny, gpt2, llama-1b), or hf:DIR / DIR for a local "
+        "Hugging Face config or checkpoint directory",
+        group="model and data",
+    )
+    data: str | None = _opt(
+        None,
+        "training text: a file, or a folder of .txt/.md/.rst files (default: Python's bundled "
+        "documentation topics, pydoc_data.topics)",
+        group="model and data",
+    )
+    tokenizer: str = _opt(
+        "byte",
+        "'byte' (UTF-8 bytes, vocabulary 256) or a local Hugging Face tokenizer directory",
+        group="model and data",
+    )
+    val_fraction: float = _opt(
+        0.05,
+        "fraction of the text held out for validation (evenly spaced 4096-token blocks)",
+        group="model and data",
+    )
+    seq_len: int = _opt(128, "tokens per training sequence", group="model and data")
+    # optimisation
+    batch_size: int = _opt(
+        16,
+        "global batch: sequences per optimizer step over all ranks and accumulation steps; "
+        "must be divisible by world size x --grad-accum",
+        group="optimisation",
+    )
+    grad_accum: int = _opt(
+        1,
+        "micro-batches accumulated per optimizer step (no gradient sync until the last)",
+        group="optimisation",
+    )
+    max_steps: int = _opt(600, "optimizer steps to train", group="optimisation")
+    lr: float = _opt(3e-3, "peak learning rate (AdamW)", group="optimisation")
+    min_lr_ratio: float = _opt(
+        0.1, "final learning rate of the cosine decay, as a fraction of --lr", group="optimisation"
+    )
+    warmup_steps: int = _opt(20, "linear warmup steps", group="optimisation")
+    weight_decay: float = _opt(
+        0.1, "AdamW weight decay (not applied to biases, norms, embeddings)", group="optimisation"
+    )
+    beta1: float = _opt(0.9, "AdamW beta1", group="optimisation")
+    beta2: float = _opt(0.95, "AdamW beta2", group="optimisation")
+    clip: float = _opt(
+        1.0, "clip the global gradient norm to this (0 disables)", group="optimisation"
+    )
+    seed: int = _opt(1234, "seed for weights, data order and sampling", group="optimisation")
+    # sharding
+    strategy: str = _opt(
+        "full_shard",
+        "full_shard (blocks free their gathered parameters after forward) or shard_grad_op "
+        "(keep them gathered until backward)",
+        group="sharding",
+        choices=STRATEGIES,
+    )
+    mixed_precision: str = _opt(
+        "none",
+        "compute dtype for gathered parameters (gradients are reduced in float32)",
+        group="sharding",
+        choices=MIXED_PRECISION,
+    )
+    # evaluation and output
+    eval_every: int = _opt(
+        100, "evaluate on the validation split every N steps (0: only at the end)", group="output"
+    )
+    eval_batches: int = _opt(8, "validation micro-batches per rank per evaluation", group="output")
+    log_every: int = _opt(
+        10, "log metrics every N steps (the first step is always logged)", group="output"
+    )
+    sample_tokens: int = _opt(300, "tokens to sample at the end (0: no sample)", group="output")
+    prompt: str = _opt("The ", "prompt for the final sample", group="output")
+    temperature: float = _opt(0.8, "sampling temperature (0: greedy)", group="output")
+    top_k: int = _opt(40, "sample among the k most likely tokens (0: all)", group="output")
+    runs_dir: str = _opt("runs", "parent folder of run folders", group="output")
+    name: str | None = _opt(
+        None, "run folder name under --runs-dir (default: a timestamp)", group="output"
+    )
+    progress: bool = _opt(True, "show a progress bar on rank 0", group="output")
+    # launch
+    nproc: int = _opt(
+        2,
+        "local ranks to launch through torch.distributed.run (ignored under torchrun, which "
+        "sets the world size)",
+        group="launch",
+    )
+    device: str = _opt(
+        "auto",
+        "auto (one GPU per rank with NCCL if CUDA is present, else CPU with gloo), cpu or cuda",
+        group="launch",
+        choices=DEVICES,
+    )
+    threads: int = _opt(1, "torch threads per rank on CPU", group="launch")
+    timeout: float = _opt(
+        300.0, "seconds any collective may wait before the run fails", group="launch"
+    )
+
+    def micro_batch(self, world_size: int) -> int:
+        """Sequences per rank per micro-batch."""
+        return self.batch_size // (world_size * self.grad_accum)
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _base_type(tp: Any) -> type:
+    """``int`` for ``int``, ``str`` for ``str | None``."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one flag per :class:`TrainConfig` field, grouped as in the dataclass.
+
+    Defaults are suppressed so that only flags the user typed override the TOML file.
+    """
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file of options (keys as below); flags override it"
+    )
+    types = _field_types()
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        flag = "--" + f.name.replace("_", "-")
+        tp = _base_type(types[f.name])
+        help_text = meta["help"] + ("" if f.default is None else f" (default: {f.default})")
+        if tp is bool:
+            group.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                flag,
+                type=tp,
+                choices=meta["choices"],
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper() if meta["choices"] is None else None,
+                help=help_text,
+            )
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config: top-level keys, or a ``[train]`` table; ``-`` in keys reads as ``_``."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    if isinstance(raw.get("train"), dict):
+        raw = raw["train"]
+    return {k.replace("-", "_"): v for k, v in raw.items()}
+
+
+def _check_values(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """Reject unknown keys and wrongly typed values, naming the key and the source."""
+    types = _field_types()
+    out = {}
+    for key, value in values.items():
+        if key not in types:
+            close = difflib.get_close_matches(key, list(types), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown option {key!r} in {source}{hint}")
+        tp = _base_type(types[key])
+        if tp is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"option {key!r} in {source} must be {tp.__name__}, got {value!r}")
+        choices = next(f.metadata["choices"] for f in fields(TrainConfig) if f.name == key)
+        if choices is not None and value not in choices:
+            raise ConfigError(f"option {key!r} in {source} must be one of {', '.join(choices)}")
+        out[key] = value
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Resolve the config: defaults, then ``args.config`` (TOML), then the flags given."""
+    values: dict[str, Any] = {}
+    config_path = getattr(args, "config", None)
+    if config_path:
+        values.update(_check_values(load_toml(config_path), config_path))
+    names = {f.name for f in fields(TrainConfig)}
+    values.update({k: v for k, v in vars(args).items() if k in names})
+    return TrainConfig(**values)
+
+
+def to_flags(cfg: TrainConfig, *, exclude: tuple[str, ...] = ()) -> list[str]:
+    """Command-line flags (full names) that reproduce ``cfg``: the options that differ from the
+    defaults, minus ``exclude``. Used to hand the resolved config to launched ranks.
+    """
+    flags: list[str] = []
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if f.name in exclude or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            # "--flag=value" keeps a value that starts with "-" from reading as an option.
+            flags.append(f"{flag}={value!r}" if isinstance(value, float) else f"{flag}={value}")
+    return flags
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config as TOML (``load_toml`` reads it back to the same config)."""
+    lines = ["# fullshard train: resolved configuration (defaults < config file < flags)"]
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if value is None:
+            lines.append(f"# {f.name} = (unset)")
+        elif isinstance(value, bool):
+            lines.append(f"{f.name} = {'true' if value else 'false'}")
+        elif isinstance(value, (int, float)):
+            lines.append(f"{f.name} = {value!r}")
+        else:
+            # JSON string escapes are valid TOML basic-string escapes.
+            lines.append(f"{f.name} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Raise :class:`ConfigError` for bad input. Pure: same answer on every rank."""
+    from fullshard.app.models import MODEL_SIZES, resolve_model_spec
+
+    try:
+        kind, name = resolve_model_spec(cfg.model)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if kind == "hf":
+        from fullshard.app.hf import HF_CONFIGS, require_transformers
+
+        try:
+            require_transformers()
+        except ImportError as exc:
+            raise ConfigError(f"model {cfg.model!r}: {exc}") from None
+        if name not in HF_CONFIGS and not (Path(name) / "config.json").is_file():
+            known = ", ".join(f"hf:{n}" for n in HF_CONFIGS)
+            raise ConfigError(
+                f"unknown Hugging Face model {name!r}: use one of {known} or a local directory "
+                "with a config.json (nothing is downloaded)"
+            )
+    if cfg.data is not None and not Path(cfg.data).exists():
+        raise ConfigError(
+            f"data path {cfg.data!r} does not exist: give a text file or a folder of text files "
+            "(or omit --data for the built-in corpus)"
+        )
+    if cfg.tokenizer != "byte" and not Path(cfg.tokenizer).is_dir():
+        raise ConfigError(
+            f"tokenizer {cfg.tokenizer!r} is neither 'byte' nor a local tokenizer directory"
+        )
+    positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nproc", "threads")
+    for key in positive:
+        if getattr(cfg, key) < 1:
+            raise ConfigError(
+                f"--{key.replace('_', '-')} must be at least 1, got {getattr(cfg, key)}"
+            )
+    for key in ("eval_every", "eval_batches", "warmup_steps", "sample_tokens", "top_k"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(cfg, key)}")
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
+    if cfg.lr <= 0 or cfg.timeout <= 0 or cfg.clip < 0 or cfg.weight_decay < 0:
+        raise ConfigError("--lr and --timeout must be positive, --clip and --weight-decay >= 0")
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    per_step = world_size * cfg.grad_accum
+    if cfg.batch_size % per_step != 0:
+        lower = max(per_step, cfg.batch_size - cfg.batch_size % per_step)
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} (global) is not divisible by world size {world_size} "
+            f"x --grad-accum {cfg.grad_accum} = {per_step}: every rank needs the same whole number "
+            f"of sequences per micro-batch. Use e.g. --batch-size {lower} or {lower + per_step}."
+        )
+    if kind == "gpt" and cfg.seq_len > MODEL_SIZES[name].max_seq_len:
+        raise ConfigError(
+            f"--seq-len {cfg.seq_len} exceeds model {name!r}'s context of "
+            f"{MODEL_SIZES[name].max_seq_len} tokens"
+        )
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda, but CUDA is not available here; use --device cpu")

@@ -1,0 +1,228 @@
+"""Text corpora, tokenizers, and a rank-sharded, seeded, resumable batch sampler.
+
+The default corpus is the English prose of Python's own documentation, shipped with every CPython
+as ``pydoc_data.topics.topics`` (the text ``help("if")`` shows; PSF license): real text on every
+machine, with no download.
+
+Splitting (every rank computes the same split from the same corpus, whatever the world size):
+the token stream is cut into blocks of ``VAL_BLOCK`` tokens and an evenly spaced ``val_fraction``
+of the blocks is held out for validation. Evenly spaced rather than "the last 5%" because a
+corpus's end is rarely typical (the documentation topics end in reference tables that are much
+easier to predict than prose). Train and validation streams are then each cut into ``world_size``
+equal, contiguous, disjoint slices::
+
+    train: [ rank 0 | rank 1 | ... | rank N-1 ]      val: [ rank 0 | ... | rank N-1 ]
+
+so ranks never see each other's text, and every rank draws the same number of batches (each FSDP
+forward is a collective, so the counts must match).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "RankBatches",
+    "Tokenizer",
+    "build_tokenizer",
+    "default_corpus",
+    "encode_corpus",
+    "eval_batches",
+    "load_text",
+    "split_for_rank",
+]
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+# Granularity of the train/validation split, in tokens (see the module docstring).
+VAL_BLOCK = 4096
+
+
+class Tokenizer(Protocol):
+    """What the trainer needs from a tokenizer."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocabulary 256, nothing to download, any text round-trips."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        # A sampled byte sequence may cut a multi-byte character: replace, don't fail.
+        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A tokenizer from a local Hugging Face tokenizer directory (needs ``transformers``)."""
+
+    def __init__(self, path: str) -> None:
+        from fullshard.app.hf import require_transformers
+
+        transformers = require_transformers()
+        self._tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids))
+
+
+def build_tokenizer(spec: str) -> Tokenizer:
+    """``"byte"`` for the byte-level tokenizer, else a local Hugging Face tokenizer directory."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if not Path(spec).is_dir():
+        raise ValueError(
+            f"tokenizer {spec!r} is neither 'byte' nor a local tokenizer directory "
+            "(nothing is downloaded)"
+        )
+    return HFTokenizer(spec)
+
+
+def default_corpus() -> str:
+    """Python's documentation topics (``pydoc_data.topics``), ~465k characters of English."""
+    from pydoc_data.topics import topics
+
+    # Sorted keys: the same text, in the same order, on every machine and Python build.
+    return "\n\n".join(topics[key].strip() for key in sorted(topics))
+
+
+def load_text(path: str | None) -> str:
+    """The training text: ``path`` (a file, or a folder of text files), or the default corpus.
+
+    A folder contributes every ``.txt``/``.md``/``.rst``/``.text`` file under it, in sorted order.
+    """
+    if path is None:
+        return default_corpus()
+    p = Path(path)
+    if p.is_file():
+        return p.read_text(encoding="utf-8", errors="replace")
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"data folder {path} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+        return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    raise FileNotFoundError(f"data path {path} does not exist: give a text file or a folder")
+
+
+def split_for_rank(
+    tokens: torch.Tensor, rank: int, world_size: int, val_fraction: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's disjoint (train, validation) slices of the token stream (see module doc)."""
+    blocks = list(torch.split(tokens, VAL_BLOCK))
+    # Block b is held out when the running count floor(b * f) steps up: evenly spaced, and
+    # exactly floor(n_blocks * f) blocks in all.
+    is_val = [int((b + 1) * val_fraction) > int(b * val_fraction) for b in range(len(blocks))]
+    train = torch.cat([blk for blk, v in zip(blocks, is_val, strict=True) if not v] or [tokens[:0]])
+    val = torch.cat([blk for blk, v in zip(blocks, is_val, strict=True) if v] or [tokens[:0]])
+    tr, va = len(train) // world_size, len(val) // world_size
+    return train[rank * tr : (rank + 1) * tr], val[rank * va : (rank + 1) * va]
+
+
+class RankBatches:
+    """Seeded (input, target) batches of windows from one rank's slice, with a resumable position.
+
+    Each epoch cuts the slice into non-overlapping windows of ``seq_len + 1`` tokens from a random
+    start offset, and visits them in a random order; both come from a generator seeded by
+    ``(seed, rank, epoch)``, so the position is fully described by ``state_dict()`` (epoch and
+    cursor): no RNG state needs saving, and a restored sampler continues with the same batches.
+    """
+
+    def __init__(
+        self, tokens: torch.Tensor, seq_len: int, batch_size: int, *, seed: int, rank: int
+    ) -> None:
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.seed, self.rank = seed, rank
+        self.epoch, self.cursor, self.batches_drawn = 0, 0, 0
+        if self.windows_per_epoch() < batch_size:
+            raise ValueError(
+                f"rank {rank}'s training slice has {len(tokens)} tokens: fewer than one batch of "
+                f"{batch_size} x {seq_len + 1}. Use more text, fewer ranks, or a smaller "
+                "--batch-size/--seq-len."
+            )
+        self._order = self._epoch_order()
+
+    def windows_per_epoch(self) -> int:
+        """Windows per epoch (the random offset can cost one window, so count without it)."""
+        return (len(self.tokens) - self.seq_len) // (self.seq_len + 1)
+
+    def _epoch_order(self) -> torch.Tensor:
+        # Seed mixes epoch and rank so that each (rank, epoch) pair gets its own stream.
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + self.epoch)
+        offset = int(torch.randint(0, self.seq_len + 1, (1,), generator=gen))
+        starts = offset + torch.arange(self.windows_per_epoch()) * (self.seq_len + 1)
+        return starts[torch.randperm(len(starts), generator=gen)]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``(inputs, targets)``, each ``(batch_size, seq_len)`` int64."""
+        if self.cursor + self.batch_size > len(self._order):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._epoch_order()
+        starts = self._order[self.cursor : self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        self.batches_drawn += 1
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
+        chunk = self.tokens[idx].long()
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler position: enough to resume the same batch sequence."""
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "batches_drawn": self.batches_drawn,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved by :meth:`state_dict`."""
+        if state["seed"] != self.seed:
+            raise ValueError(f"data state was saved with seed {state['seed']}, not {self.seed}")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.batches_drawn = int(state["batches_drawn"])
+        self._order = self._epoch_order()
+
+
+def eval_batches(
+    tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed, consecutive validation batches from one rank's validation slice.
+
+    Deterministic (no sampling) so that validation losses are comparable across evaluations.
+    Every rank's slice has the same length, so every rank gets the same number of batches.
+    """
+    n_windows = (len(tokens) - 1) // seq_len
+    n_batches = min(max_batches, n_windows // batch_size)
+    out = []
+    for b in range(n_batches):
+        starts = (torch.arange(batch_size) + b * batch_size) * seq_len
+        chunk = tokens[starts[:, None] + torch.arange(seq_len + 1)[None, :]].long()
+        out.append((chunk[:, :-1], chunk[:, 1:]))
+    return out
+
+
+def encode_corpus(text: str, tokenizer: Tokenizer) -> torch.Tensor:
+    """Encode the whole corpus into a compact 1-D tensor (uint8 for bytes, else int32)."""
+    ids = tokenizer.encode(text)
+    dtype = torch.uint8 if tokenizer.vocab_size <= 256 else torch.int32
+    return torch.tensor(ids, dtype=dtype)

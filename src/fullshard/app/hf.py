@@ -1,0 +1,149 @@
+"""Hugging Face ``transformers`` causal LMs, built locally (never downloaded).
+
+``transformers`` is an optional extra (``pip install fullshard[hf]``) and is imported only when a
+Hugging Face model is asked for. A model comes from one of the built-in configuration dicts in
+:data:`HF_CONFIGS` (random init) or from a local directory holding a ``config.json`` (random init)
+plus, optionally, weights (loaded). Each decoder layer becomes one FSDP unit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["HF_CONFIGS", "build_hf_model", "find_decoder_layers", "require_transformers"]
+
+INSTALL_HINT = (
+    "Hugging Face models need the optional `transformers` package: "
+    "`pip install 'fullshard[hf]'` (or `pip install transformers`)."
+)
+
+# Built-in configurations: name -> (model_type, config kwargs). vocab_size comes from the
+# tokenizer at build time.
+HF_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-tiny": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        ),
+    ),
+    "gpt2-tiny": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    "gpt2": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024)),
+    "llama-1b": (
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=2048,
+        ),
+    ),
+}
+
+# Where common architectures keep their decoder layers (dotted attribute paths).
+_LAYER_PATHS = ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def require_transformers() -> Any:
+    """Import and return ``transformers``, or raise ``ImportError`` saying how to install it."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return transformers
+
+
+def _hf_config(spec: str, vocab_size: int | None) -> tuple[Any, bool]:
+    """Return (config, has_weights) for a built-in name or a local directory."""
+    transformers = require_transformers()
+    if spec in HF_CONFIGS:
+        model_type, kwargs = HF_CONFIGS[spec]
+        config = transformers.AutoConfig.for_model(model_type, **kwargs)
+        has_weights = False
+    else:
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            known = ", ".join(f"hf:{n}" for n in HF_CONFIGS)
+            raise ValueError(
+                f"Hugging Face model {spec!r} is neither a built-in config ({known}) nor a local "
+                "directory with a config.json (nothing is downloaded)."
+            )
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        has_weights = any((path / f).is_file() for f in _WEIGHT_FILES)
+    if vocab_size is not None and not has_weights:
+        config.vocab_size = vocab_size
+        # Special-token ids of the original vocabulary may not exist in a small (byte) one.
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and value >= vocab_size:
+                setattr(config, attr, None)
+    return config, has_weights
+
+
+def build_hf_model(
+    spec: str,
+    vocab_size: int | None,
+    *,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Build a ``transformers`` causal LM from a built-in name or a local directory.
+
+    Configuration-only models are randomly initialised from ``seed`` with ``vocab_size`` tokens;
+    a directory with weights is loaded as is (its vocabulary must cover the tokenizer's, which
+    the trainer checks). The returned model gets a ``unit_types`` attribute: its decoder layer
+    classes.
+    """
+    transformers = require_transformers()
+    config, has_weights = _hf_config(spec, vocab_size)
+    # fork_rng: seed the init without disturbing the caller's global RNG state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if has_weights:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                spec, local_files_only=True, torch_dtype=torch.float32
+            )
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    if device is not None:
+        model = model.to(device)
+    layers = find_decoder_layers(model)
+    model.unit_types = tuple(dict.fromkeys(type(layer) for layer in layers))
+    return model
+
+
+def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a causal LM, in order.
+
+    Tries the attribute paths of common architectures, then falls back to the longest
+    ``ModuleList`` whose children all share one class. Raises ``ValueError`` if none is found.
+    """
+    for path in _LAYER_PATHS:
+        obj: Any = model
+        for attr in path.split("."):
+            obj = getattr(obj, attr, None)
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return list(obj)
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            children = list(module)
+            if len({type(c) for c in children}) == 1:
+                best = children
+    if not best:
+        raise ValueError(
+            f"could not find the decoder layers of {type(model).__name__}: expected one of "
+            f"{', '.join(_LAYER_PATHS)} or a ModuleList of identical layers"
+        )
+    return best

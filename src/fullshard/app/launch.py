@@ -1,0 +1,90 @@
+"""Launching ranks and joining the process group.
+
+``fullshard train --nproc N`` re-invokes itself through ``torch.distributed.run`` (torchrun) with
+the same arguments; under torchrun (ours or an external ``torchrun --nnodes ...``) the environment
+variables ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` say who we are,
+and the same code path runs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistInfo", "init_distributed", "launch_local", "under_torchrun", "world_size_from_env"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Who this process is in the job, and where it computes."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def under_torchrun() -> bool:
+    """True when a launcher already set this process's rank and world size."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def world_size_from_env(default: int) -> int:
+    """The job's world size: torchrun's ``WORLD_SIZE``, else what we are about to launch."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else default
+
+
+def launch_local(nproc: int, argv: list[str]) -> int:
+    """Run ``fullshard <argv>`` on ``nproc`` local ranks through torch.distributed.run.
+
+    Returns the launcher's exit status (non-zero when any rank failed; torchrun then stops the
+    others rather than letting them wait for a dead peer).
+    """
+    env = dict(os.environ)
+    # Local CPU runs talk over loopback; without this gloo may pick an interface that does not
+    # route to itself (containers, VPNs).
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Set it ourselves so torchrun does not print its OMP_NUM_THREADS warning; the trainer sets
+    # torch's thread count from --threads anyway.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "fullshard.app.cli",
+        *argv,
+    ]
+    return subprocess.run(cmd, env=env, check=False).returncode
+
+
+def init_distributed(device_pref: str, timeout_s: float) -> DistInfo:
+    """Join the process group torchrun describes: NCCL, one GPU per rank, or gloo on CPU.
+
+    ``timeout_s`` bounds every collective wait, so a dead or stuck peer fails the run instead of
+    hanging it.
+    """
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+    return DistInfo(rank, world_size, local_rank, device, backend)

@@ -1,0 +1,115 @@
+"""What a user sees of a run: per-rank memory, the metrics log, the loss plot, the run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MetricsLog",
+    "format_mem",
+    "gather_memory",
+    "make_run_dir",
+    "plot_losses",
+    "rss_bytes",
+]
+
+
+def rss_bytes() -> int:
+    """This process's current resident set size in bytes.
+
+    Reads ``/proc/self/statm`` (current, Linux); elsewhere falls back to the peak from
+    ``getrusage`` (kilobytes on Linux, bytes on macOS).
+    """
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if os.uname().sysname == "Darwin" else peak * 1024
+
+
+def gather_memory(device: torch.device) -> dict[str, list[float]]:
+    """Every rank's memory in MiB, gathered with one tiny all_gather (a collective: call on all).
+
+    Returns ``{"rss_mib": [...]}`` and, on CUDA, ``{"cuda_peak_mib": [...]}``, indexed by rank.
+    """
+    values = [rss_bytes() / 2**20]
+    if device.type == "cuda":
+        values.append(torch.cuda.max_memory_allocated(device) / 2**20)
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    table = torch.stack(parts).cpu()
+    result = {"rss_mib": [round(float(v), 1) for v in table[:, 0]]}
+    if device.type == "cuda":
+        result["cuda_peak_mib"] = [round(float(v), 1) for v in table[:, 1]]
+    return result
+
+
+def format_mem(mem: dict[str, list[float]]) -> str:
+    """Compact per-rank memory for the progress bar, e.g. ``r0 312M r1 309M``."""
+    key = "cuda_peak_mib" if "cuda_peak_mib" in mem else "rss_mib"
+    return " ".join(f"r{i} {v:.0f}M" for i, v in enumerate(mem[key]))
+
+
+def make_run_dir(runs_dir: str, name: str | None) -> Path:
+    """Create ``runs_dir/name`` (default name: a timestamp, made unique if taken)."""
+    base = Path(runs_dir)
+    if name is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path, i = base / stamp, 1
+        while path.exists():
+            path, i = base / f"{stamp}-{i}", i + 1
+    else:
+        path = base / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per logged step, flushed at once (tail -f works)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._file = path.open("w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Train (and validation) loss against step, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

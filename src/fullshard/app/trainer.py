@@ -1,0 +1,259 @@
+"""The training loop of ``fullshard train``: one process per rank, started by torchrun.
+
+Order matters for "errors on every rank, never a hang": everything that can fail on bad input
+(config, data, model) happens before the first collective, computed identically on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fullshard.app.config import ConfigError, TrainConfig, to_toml, validate
+from fullshard.app.data import (
+    RankBatches,
+    build_tokenizer,
+    encode_corpus,
+    eval_batches,
+    load_text,
+    split_for_rank,
+)
+from fullshard.app.launch import DistInfo, init_distributed, world_size_from_env
+from fullshard.app.models import (
+    build_model,
+    count_params,
+    generate,
+    logits_of,
+    model_context_length,
+    unit_types_of,
+)
+from fullshard.app.monitor import MetricsLog, format_mem, gather_memory, make_run_dir, plot_losses
+
+__all__ = ["lr_lambda", "param_groups", "train"]
+
+# Parameter-name fragments that get no weight decay: decaying biases, norm gains or embedding
+# rows toward zero only fights the model (they are not "capacity" in the way weight matrices are).
+NO_DECAY_MARKERS = ("bias", "norm", "ln_", "embed", "wte", "wpe")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups by parameter name: decay for weight matrices, none for biases/norms/embeddings."""
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if any(m in name.lower() for m in NO_DECAY_MARKERS) else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak LR: linear warmup over ``warmup`` steps, then cosine to ``min_ratio``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = logits_of(model(x))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list, device: torch.device) -> float | None:
+    """Mean validation loss over every rank's batches (an all_reduce: call on all ranks)."""
+    if not batches:
+        return None
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in batches:
+        total[0] += _loss(model, x.to(device), y.to(device)).double()
+        total[1] += 1
+    model.train()
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def _global_mean(values: list[float], device: torch.device) -> float:
+    t = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t[0] / t[1])
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run one training job on this rank; returns the run summary (on every rank)."""
+    validate(cfg, world_size_from_env(cfg.nproc))
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    tokens = encode_corpus(load_text(cfg.data), tokenizer)
+    info = init_distributed(cfg.device, cfg.timeout)
+    try:
+        return _train(cfg, info, tokenizer, tokens)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(
+    cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: torch.Tensor
+) -> dict[str, Any]:
+    rank, world, device = info.rank, info.world_size, info.device
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.threads)
+    micro = cfg.micro_batch(world)
+    train_tokens, val_tokens = split_for_rank(tokens, rank, world, cfg.val_fraction)
+    sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=rank)
+    val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
+
+    model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed, device=device)
+    ctx = model_context_length(model)
+    if ctx is not None and cfg.seq_len > ctx:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's context of {ctx} tokens")
+    n_params = count_params(model)
+    vocab = logits_of(model(torch.zeros(1, 1, dtype=torch.long, device=device))).shape[-1]
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError(f"model vocabulary {vocab} < tokenizer vocabulary {tokenizer.vocab_size}")
+
+    from fullshard.app.wrap import clip_gradients, set_gradient_sync, shard_model
+
+    shard_model(model, cfg.strategy, unit_types_of(model), mixed_precision=cfg.mixed_precision)
+    opt = torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    )
+
+    run_dir: Path | None = None
+    log: MetricsLog | None = None
+    bar = None
+    if rank == 0:
+        run_dir = make_run_dir(cfg.runs_dir, cfg.name)
+        (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
+        log = MetricsLog(run_dir / "metrics.jsonl")
+        print(
+            f"fullshard train: {cfg.model} ({n_params / 1e6:.2f}M params), {world} ranks "
+            f"({info.backend}), {cfg.strategy}, {len(tokens):,} tokens "
+            f"({len(train_tokens):,} train per rank), micro-batch {micro} x {cfg.seq_len}, "
+            f"grad-accum {cfg.grad_accum} -> run folder {run_dir}",
+            flush=True,
+        )
+        if cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.max_steps, unit="step", dynamic_ncols=True)
+
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    losses: list[float] = []
+    start = last_t = time.perf_counter()
+    last_step, first_loss, last_loss, val_loss = 0, float("nan"), float("nan"), None
+    for step in range(1, cfg.max_steps + 1):
+        step_loss = 0.0
+        for k in range(cfg.grad_accum):
+            # Reduce-scatter gradients only on the last micro-batch; earlier ones accumulate
+            # into the unsharded gradients locally.
+            set_gradient_sync(model, k == cfg.grad_accum - 1)
+            x, y = sampler.next_batch()
+            loss = _loss(model, x.to(device), y.to(device)) / cfg.grad_accum
+            loss.backward()
+            step_loss += float(loss.detach())
+        grad_norm = clip_gradients(model.parameters(), cfg.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lr = sched.get_last_lr()[0]
+        sched.step()
+        losses.append(step_loss)
+
+        is_eval = step == cfg.max_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+        if not (step == 1 or step % cfg.log_every == 0 or is_eval):
+            if bar is not None:
+                bar.update(1)
+            continue
+        # Logged step: a few tiny collectives, on every rank.
+        mean_loss = _global_mean(losses, device)
+        losses.clear()
+        mem = gather_memory(device)
+        val_loss = evaluate(model, val, device) if is_eval else None
+        now = time.perf_counter()
+        tok_s = tokens_per_step * (step - last_step) / (now - last_t)
+        last_step, last_t = step, now
+        first_loss = mean_loss if step == 1 else first_loss
+        last_loss = mean_loss
+        if log is not None:
+            record: dict[str, Any] = {
+                "step": step,
+                "loss": round(mean_loss, 5),
+                "lr": lr,
+                "grad_norm": round(grad_norm, 5),
+                "tokens_per_s": round(tok_s, 1),
+                "elapsed_s": round(now - start, 2),
+                "mem_mib": mem["rss_mib"],
+            }
+            if "cuda_peak_mib" in mem:
+                record["cuda_peak_mib"] = mem["cuda_peak_mib"]
+            if val_loss is not None:
+                record["val_loss"] = round(val_loss, 5)
+            log.write(record)
+        if bar is not None:
+            bar.set_postfix_str(
+                f"loss {mean_loss:.3f} | {tok_s:,.0f} tok/s | mem {format_mem(mem)}"
+            )
+            bar.update(1)
+            if val_loss is not None:
+                bar.write(f"step {step}: val_loss {val_loss:.4f}")
+    wall = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+
+    sample = ""
+    if cfg.sample_tokens > 0:
+        # Same generator seed on every rank: identical samples, identical forward shapes.
+        gen = torch.Generator().manual_seed(cfg.seed)
+        prompt = torch.tensor(tokenizer.encode(cfg.prompt) or [0], dtype=torch.long, device=device)
+        out = generate(
+            model, prompt, cfg.sample_tokens, cfg.temperature, cfg.top_k or None, generator=gen
+        )
+        sample = tokenizer.decode(out.tolist())
+
+    summary = {
+        "model": cfg.model,
+        "params": n_params,
+        "world_size": world,
+        "strategy": cfg.strategy,
+        "steps": cfg.max_steps,
+        "start_loss": first_loss,
+        "end_loss": last_loss,
+        "final_val_loss": val_loss,
+        "train_wall_s": round(wall, 2),
+        "tokens_per_s": round(tokens_per_step * cfg.max_steps / wall, 1),
+        "data_state": sampler.state_dict(),
+    }
+    if rank == 0 and run_dir is not None and log is not None:
+        log.close()
+        plot_losses(
+            log.records, run_dir / "loss.png", f"{cfg.model} on {world} ranks ({cfg.strategy})"
+        )
+        (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
+        (run_dir / "summary.json").write_text(
+            json.dumps(summary, indent=2) + "\n", encoding="utf-8"
+        )
+        print(
+            f"done: {cfg.max_steps} steps in {wall:.1f}s, loss {first_loss:.3f} -> {last_loss:.3f}, "
+            f"val {val_loss if val_loss is None else round(val_loss, 4)}, "
+            f"{summary['tokens_per_s']:,.0f} tokens/s",
+            flush=True,
+        )
+        if sample:
+            print(f"--- sample ---\n{sample}\n--------------", flush=True)
+        print(f"run folder: {run_dir}", flush=True)
+    return summary

@@ -1,0 +1,115 @@
+"""``fullshard train`` end to end: 2 local ranks through torch.distributed.run, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fullshard.app.config import load_toml
+
+# A short run on the default corpus: the tiny model, 40 steps, evaluated twice.
+BASE = [
+    "--model", "tiny", "--max-steps", "40", "--seq-len", "64", "--batch-size", "16",
+    "--warmup-steps", "5", "--eval-every", "20", "--eval-batches", "2", "--log-every", "5",
+    "--sample-tokens", "20", "--nproc", "2", "--timeout", "120",
+]  # fmt: skip
+
+
+def run_train(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m fullshard.app.cli train ARGS`` as a fresh process (not under torchrun)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(
+        [sys.executable, "-m", "fullshard.app.cli", "train", *args],
+        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+    )  # fmt: skip
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in records(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three runs shared by the tests: a, its exact repeat, and shard_grad_op + accumulation."""
+    root = tmp_path_factory.mktemp("runs")
+    cfg = root / "run.toml"
+    cfg.write_text('model = "demo"\nmax_steps = 1000\nprogress = false\n')
+    variants = {
+        "a": ["--config", str(cfg)],  # the file says demo/1000 steps, BASE's flags must win
+        "a_again": ["--no-progress"],
+        "b": ["--no-progress", "--strategy", "shard_grad_op", "--grad-accum", "2"],
+    }
+    for name, extra in variants.items():
+        proc = run_train([*BASE, *extra, "--runs-dir", str(root), "--name", name])
+        assert proc.returncode == 0, f"run {name} failed:\n{proc.stdout}\n{proc.stderr}"
+        (root / name / "stdout.txt").write_text(proc.stdout)
+    return root
+
+
+def test_run_folder_has_config_metrics_plot_and_sample(runs: Path) -> None:
+    run = runs / "a"
+    for name in ("config.toml", "metrics.jsonl", "loss.png", "sample.txt", "summary.json"):
+        assert (run / name).is_file(), name
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    resolved = load_toml(str(run / "config.toml"))
+    assert resolved["model"] == "tiny" and resolved["max_steps"] == 40  # flags beat the file
+    assert resolved["progress"] is False  # from the file
+    recs = records(run)
+    assert [r["step"] for r in recs] == [1, 5, 10, 15, 20, 25, 30, 35, 40]
+    for r in recs:
+        assert len(r["mem_mib"]) == 2 and all(m > 50 for m in r["mem_mib"])  # both ranks' RSS
+        assert r["tokens_per_s"] > 0 and r["lr"] > 0
+    assert [r["step"] for r in recs if "val_loss" in r] == [20, 40]
+    stdout = (run / "stdout.txt").read_text()
+    assert "--- sample ---" in stdout and "2 ranks (gloo)" in stdout
+    assert (run / "sample.txt").read_text().startswith("The ")
+
+
+def test_loss_falls_on_the_default_corpus(runs: Path) -> None:
+    recs = records(runs / "a")
+    start, end = recs[0]["loss"], recs[-1]["loss"]
+    assert abs(start - math.log(256)) < 0.3  # an untrained byte model is near uniform
+    assert end < start - 1.5, (start, end)
+    val = [r["val_loss"] for r in recs if "val_loss" in r]
+    assert val[-1] < val[0] < start
+    summary = json.loads((runs / "a" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["end_loss"] == pytest.approx(end, abs=1e-4)
+
+
+def test_same_seed_same_losses(runs: Path) -> None:
+    assert losses(runs / "a") == losses(runs / "a_again")
+
+
+def test_shard_grad_op_with_accumulation_matches_full_shard(runs: Path) -> None:
+    # Same global batch split into 2 micro-batches with the gradient sync only on the second:
+    # the same optimizer steps up to float32 summation order.
+    a, b = losses(runs / "a"), losses(runs / "b")
+    assert b == pytest.approx(a, rel=2e-3)
+    assert json.loads((runs / "b" / "summary.json").read_text())["strategy"] == "shard_grad_op"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--data", "/no/such/corpus.txt"], "data path '/no/such/corpus.txt' does not exist"),
+        (["--model", "gpt5"], "unknown model 'gpt5'"),
+        (["--nproc", "3", "--batch-size", "16"], "not divisible by world size 3"),
+    ],
+)
+def test_bad_input_fails_fast_with_a_clear_message(args: list[str], message: str) -> None:
+    proc = run_train(args, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,104 @@
+"""TrainConfig: TOML + flag precedence, the resolved TOML, validation messages, --help."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from fullshard.app.cli import build_parser
+from fullshard.app.config import (
+    ConfigError,
+    TrainConfig,
+    config_from_args,
+    load_toml,
+    to_toml,
+    validate,
+)
+
+
+def resolve(argv: list[str]) -> TrainConfig:
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_defaults_are_the_demo() -> None:
+    cfg = resolve([])
+    assert cfg == TrainConfig()
+    assert (cfg.model, cfg.nproc, cfg.data, cfg.strategy) == ("demo", 2, None, "full_shard")
+    validate(cfg, world_size=2)
+
+
+def test_toml_then_flags_precedence(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('model = "tiny"\nlr = 1\nmax-steps = 50\n')
+    # A [train] table is also accepted; here the top level is used.
+    cfg = resolve(["--config", str(path), "--max-steps", "7", "--no-progress"])
+    assert cfg.model == "tiny"  # from the file
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # int in TOML, float option
+    assert cfg.max_steps == 7  # the flag wins over the file
+    assert cfg.progress is False
+    assert cfg.seq_len == TrainConfig().seq_len  # untouched default
+    table = tmp_path / "table.toml"
+    table.write_text('[train]\nstrategy = "shard_grad_op"\n')
+    assert resolve(["--config", str(table)]).strategy == "shard_grad_op"
+
+
+def test_resolved_toml_round_trips(tmp_path: Path) -> None:
+    cfg = TrainConfig(model="tiny", prompt='say "hi"\n', name=None, lr=2e-4, progress=False)
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    values = load_toml(str(path))
+    assert "name" not in values  # None is written as a comment
+    args = argparse.Namespace(config=str(path))
+    assert config_from_args(args) == cfg
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('modle = "tiny"', "unknown option 'modle' in .*did you mean 'model'"),
+        ('max_steps = "ten"', "'max_steps' .* must be int"),
+        ("progress = 1", "'progress' .* must be bool"),
+        ('strategy = "zero3"', "must be one of full_shard, shard_grad_op"),
+        ("model = ", "not valid TOML"),
+    ],
+)
+def test_bad_toml_values_name_the_key(tmp_path: Path, toml: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(toml + "\n")
+    with pytest.raises(ConfigError, match=message):
+        resolve(["--config", str(path)])
+
+
+def test_missing_config_file() -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve(["--config", "/nonexistent/run.toml"])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "world", "message"),
+    [
+        (TrainConfig(data="/no/such/file.txt"), 2, "data path '/no/such/file.txt' does not exist"),
+        (TrainConfig(model="gpt5"), 2, "unknown model 'gpt5'.*tiny, demo, small"),
+        (TrainConfig(batch_size=16), 3, "not divisible by world size 3.*--batch-size 15 or 18"),
+        (TrainConfig(batch_size=8, grad_accum=3), 2, "x --grad-accum 3 = 6"),
+        (TrainConfig(model="tiny", seq_len=4096), 2, "exceeds model 'tiny'"),
+        (TrainConfig(tokenizer="/no/tokenizer"), 2, "neither 'byte' nor a local"),
+        (TrainConfig(max_steps=0), 2, "--max-steps must be at least 1"),
+        (TrainConfig(val_fraction=1.0), 2, "--val-fraction"),
+        (TrainConfig(model="hf:gpt7-giant"), 2, "gpt7-giant"),
+    ],
+)
+def test_validation_messages(cfg: TrainConfig, world: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world)
+
+
+def test_help_documents_every_option() -> None:
+    train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    text = train.format_help()
+    for f in fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in text, f.name
+    assert "--config" in text and "metrics.jsonl" in text
