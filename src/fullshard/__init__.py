@@ -3,6 +3,7 @@
 Swap ``from torch.distributed.fsdp import fully_shard`` for ``from fullshard import fully_shard``.
 """
 
+from fullshard.checkpoint.state_dict import get_state_dict, set_state_dict
 from fullshard.engine.api import FSDPModule, UnshardHandle, fully_shard
 from fullshard.engine.clip import clip_grad_norm_
 from fullshard.engine.grad_scaler import ShardedGradScaler
@@ -26,6 +27,8 @@ __all__ = [
     "UnshardHandle",
     "clip_grad_norm_",
     "fully_shard",
+    "get_state_dict",
+    "set_state_dict",
     "parallelize",
 ]
 __version__ = "0.1.0"

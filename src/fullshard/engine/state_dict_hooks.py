@@ -45,7 +45,7 @@ def shard_as_dtensor(unit: CommUnit, index: int) -> DTensor:
     )
 
 
-def _to_local_shard(unit: CommUnit, index: int, value: Any, key: str) -> torch.Tensor:
+def to_local_shard(unit: CommUnit, index: int, value: Any, key: str) -> torch.Tensor:
     p = unit.params[index]
     world, rank = unit.mesh.world_size, unit.mesh.rank
     want = local_shape(p.shape, world, rank)
@@ -93,7 +93,7 @@ def install_state_dict_hooks(module: nn.Module, unit: CommUnit) -> None:
             for fqn in p.fqns:
                 key = prefix + fqn
                 if key in sd:
-                    sd[key] = _to_local_shard(unit, i, sd[key], key)
+                    sd[key] = to_local_shard(unit, i, sd[key], key)
 
     module.register_state_dict_post_hook(save_hook)
     module.register_load_state_dict_pre_hook(load_hook)

@@ -1,0 +1,261 @@
+"""Sharded checkpoints on disk (layer 9): DCP writes, atomic commit, checksums, keep-last-k, async.
+
+Layout of a checkpoint folder::
+
+    ROOT/step_00000120/          a committed checkpoint (DCP files + manifest.json)
+    ROOT/step_00000140.partial/  a save in progress, or one that crashed: never loaded
+
+NOTE [Atomic commit]
+Every rank writes its own shard into ``step_N.partial`` (``torch.distributed.checkpoint``; nobody
+gathers the model). Only after *every* rank has finished (a barrier) does rank 0 write
+``manifest.json`` (size and SHA-256 of every file) and rename the folder to ``step_N``; a rename
+within one directory is atomic. A crash at any point before that leaves only ``.partial``, so
+:func:`latest_checkpoint` still finds the previous checkpoint. Loading verifies the manifest
+first (rank 0 reads the files, every rank gets the verdict), so a truncated or bit-flipped file
+is a clear error on every rank, never silently wrong weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from fullshard.dist.collectives import all_reduce
+from fullshard.dist.mesh import default_timeout
+from fullshard.policies import FullshardError
+
+MANIFEST = "manifest.json"
+_STEP = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def committed_steps(root: str) -> list[int]:
+    """Steps of the committed checkpoints under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        m = _STEP.match(name)
+        if m and os.path.isfile(os.path.join(root, name, MANIFEST)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest committed checkpoint folder under ``root`` (``None`` if there is none)."""
+    steps = committed_steps(root)
+    return step_dir(root, steps[-1]) if steps else None
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: str, extra: dict[str, Any] | None = None) -> None:
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name != MANIFEST and os.path.isfile(path):
+            files[name] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+    with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
+        json.dump({"files": files, **(extra or {})}, f, indent=1)
+    os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
+
+
+def verify(folder: str) -> str:
+    """Problems with ``folder`` against its manifest ("" when it is intact)."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return f"{folder} has no {MANIFEST}: it was never committed (crashed or unfinished save)"
+    with open(path) as f:
+        files = json.load(f)["files"]
+    for name, want in files.items():
+        p = os.path.join(folder, name)
+        if not os.path.isfile(p):
+            return f"{p} is missing"
+        size = os.path.getsize(p)
+        if size != want["bytes"]:
+            return f"{p} has {size} bytes, the manifest says {want['bytes']} (truncated?)"
+        if _sha256(p) != want["sha256"]:
+            return f"{p} does not match its SHA-256 in the manifest (corrupted)"
+    return ""
+
+
+def _agree(message: str, group: dist.ProcessGroup | None) -> str:
+    """Rank 0's message, on every rank."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _barrier(group: dist.ProcessGroup | None, what: str) -> None:
+    all_reduce(torch.zeros(1), group, what=what, timeout=default_timeout()).wait()
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of a state dict that training cannot change while an async write reads it.
+
+    DTensors are rebuilt over cloned local tensors (same placements, global shape and stride):
+    torch's own staging copier cannot copy a DTensor whose local tensor is a view at a storage
+    offset, which every shard in a flat unit buffer is.
+    """
+    if isinstance(obj, DTensor):
+        return DTensor.from_local(
+            obj.to_local().detach().clone(),
+            obj.device_mesh,
+            obj.placements,
+            run_check=False,
+            shape=obj.shape,
+            stride=obj.stride(),
+        )
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class _SnapshotStager:
+    """DCP async stager that stages with :func:`snapshot` (see its note)."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return snapshot(state_dict)  # type: ignore[no-any-return]
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _save_errors(partial: str) -> Iterator[None]:
+    """DCP reports a failed write on every rank as ``CheckpointException`` (a BaseException):
+    turn it into an error that says what it means for the run."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise FullshardError(
+            f"rank {dist.get_rank()}: saving {partial} failed ({exc!s:.300}). Nothing was "
+            "committed: the previous checkpoint is still the latest one."
+        ) from exc
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    future: Future[Any]
+    started: float
+
+
+class CheckpointManager:
+    """Saves and loads sharded checkpoints under ``root``; keeps the last ``keep`` of them.
+
+    ``async_save=True`` stages the state to host memory and writes it in a background thread
+    on a dedicated gloo group, so training goes on meanwhile; the commit (NOTE [Atomic
+    commit]) happens at the next ``save()`` or at ``wait()``, on every rank at the same point.
+    """
+
+    def __init__(self, root: str, *, keep: int = 3, async_save: bool = False) -> None:
+        self.root = root
+        self.keep = keep
+        self.async_save = async_save
+        self.rank = dist.get_rank()
+        self._pending: _PendingSave | None = None
+        # DCP's own collectives for async saves run in a background thread: they must not
+        # share a group with training collectives, or the two would interleave.
+        self._group = dist.new_group(backend="gloo") if async_save else None
+        if self.rank == 0:
+            os.makedirs(root, exist_ok=True)
+
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> str:
+        """Write ``state`` (DTensors / tensors / picklable objects) as checkpoint ``step``."""
+        self.wait()
+        final = step_dir(self.root, step)
+        partial = final + ".partial"
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        _barrier(None, "checkpoint start barrier")
+        started = time.perf_counter()
+        with _save_errors(partial):
+            if self.async_save:
+                fut = dcp.async_save(
+                    state,
+                    checkpoint_id=partial,
+                    process_group=self._group,
+                    async_stager=_SnapshotStager(),  # type: ignore[arg-type]
+                )
+                self._pending = _PendingSave(step, fut, started)  # type: ignore[arg-type]
+                self._meta = meta
+            else:
+                dcp.save(state, checkpoint_id=partial)
+        if not self.async_save:
+            self._commit(step, meta)
+        return final
+
+    def wait(self) -> None:
+        """Finish and commit an async save in flight (every rank must call it)."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        with _save_errors(step_dir(self.root, pending.step) + ".partial"):
+            pending.future.result(timeout=default_timeout().total_seconds())
+        self._commit(pending.step, self._meta)
+
+    def _commit(self, step: int, meta: dict[str, Any] | None) -> None:
+        final = step_dir(self.root, step)
+        _barrier(None, "checkpoint commit barrier")  # every rank's files are complete
+        if self.rank == 0:
+            write_manifest(final + ".partial", {"step": step, **(meta or {})})
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(final + ".partial", final)  # the commit point
+            for old in committed_steps(self.root)[: -self.keep] if self.keep > 0 else []:
+                shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
+        _barrier(None, "checkpoint committed barrier")
+
+    def load(self, state: dict[str, Any], folder: str | None = None) -> str:
+        """Verify, then load into ``state`` in place (DTensors are resharded as needed)."""
+        folder = folder or latest_checkpoint(self.root)
+        problem = ""
+        if folder is None:
+            problem = f"no committed checkpoint under {self.root}"
+        elif self.rank == 0:
+            problem = verify(folder)
+        problem = _agree(problem, None)
+        if problem:
+            raise FullshardError(f"rank {self.rank}: cannot load checkpoint: {problem}.")
+        assert folder is not None
+        dcp.load(state, checkpoint_id=folder)
+        return folder
