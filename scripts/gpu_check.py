@@ -146,6 +146,7 @@ def _worker(rank: int, world: int, store: str, cpu: bool, result: str) -> None:
         with open(result, "w") as f:
             for name, ok, info in res:
                 f.write(f"{'PASS' if ok else 'FAIL'}  {name}: {info}\n")
+    dist.barrier()  # leave together: tearing down gloo while a peer still works can abort
     dist.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ from fullshard.app.config import (
     to_flags,
     validate,
 )
+from fullshard.policies import FullshardError
 
 __all__ = ["build_parser", "main"]
 
@@ -49,7 +50,41 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add_train_arguments(train)
+    convert = sub.add_parser(
+        "convert",
+        help="sharded checkpoint -> one safetensors file (offline, no process group)",
+        description="Write the model weights of a sharded fullshard/DCP checkpoint as one "
+        "safetensors file with the original parameter names. Runs in one process; the "
+        "checkpoint is verified against its manifest first.",
+        allow_abbrev=False,
+    )
+    convert.add_argument(
+        "checkpoint", help="a checkpoint folder (step_N) or a folder of them (takes the newest)"
+    )
+    convert.add_argument("out", help="output .safetensors file, or a folder for model.safetensors")
+    convert.add_argument(
+        "--key", default="model", help="state-dict section holding the weights (default: model)"
+    )
     return parser
+
+
+def _convert(args: argparse.Namespace) -> int:
+    import os
+
+    from fullshard.checkpoint import convert, latest_checkpoint, verify
+    from fullshard.checkpoint.store import MANIFEST
+
+    folder = args.checkpoint
+    if not os.path.isfile(os.path.join(folder, MANIFEST)):
+        folder = latest_checkpoint(folder)
+        if folder is None:
+            raise ConfigError(f"{args.checkpoint} holds no committed checkpoint")
+    problem = verify(folder)
+    if problem:
+        raise ConfigError(f"checkpoint {folder} failed verification: {problem}")
+    path = convert(folder, args.out, key=args.key)
+    print(f"wrote {path} from {folder}")
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -76,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
-    except ConfigError as exc:
+        if args.command == "convert":
+            return _convert(args)
+    except (ConfigError, FullshardError) as exc:
         # One line on stderr and status 2 (argparse's convention for usage errors), on every rank.
         print(f"fullshard {args.command}: error: {exc}", file=sys.stderr)
         return 2

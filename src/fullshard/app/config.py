@@ -34,8 +34,8 @@ __all__ = [
     "validate",
 ]
 
-# Sharding strategies the engine supports today (names as in FSDP1's ShardingStrategy).
-STRATEGIES = ("full_shard", "shard_grad_op")
+# Every sharding strategy of the engine (names as in FSDP1's ShardingStrategy).
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 MIXED_PRECISION = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -107,10 +107,20 @@ class TrainConfig:
     # sharding
     strategy: str = _opt(
         "full_shard",
-        "full_shard (blocks free their gathered parameters after forward) or shard_grad_op "
-        "(keep them gathered until backward)",
+        "full_shard (blocks free their gathered parameters after forward), shard_grad_op (keep "
+        "them until backward), no_shard (replicate, all-reduce), hybrid_shard / "
+        "hybrid_shard_zero2 (shard inside groups of --shard-size ranks, replicate across them)",
         group="sharding",
         choices=STRATEGIES,
+    )
+    shard_size: int = _opt(
+        0,
+        "hybrid strategies: ranks per shard group (0: ranks per node, or half the world on one "
+        "node)",
+        group="sharding",
+    )
+    activation_checkpointing: bool = _opt(
+        False, "recompute each block's activations in backward (less memory)", group="sharding"
     )
     mixed_precision: str = _opt(
         "none",
@@ -135,6 +145,31 @@ class TrainConfig:
         None, "run folder name under --runs-dir (default: a timestamp)", group="output"
     )
     progress: bool = _opt(True, "show a progress bar on rank 0", group="output")
+    # checkpoints
+    checkpoint_dir: str | None = _opt(
+        None,
+        "folder for sharded checkpoints (default: RUN_FOLDER/checkpoints)",
+        group="checkpoints",
+    )
+    save_every: int = _opt(
+        0, "save a checkpoint every N steps (0: only at the end)", group="checkpoints"
+    )
+    keep: int = _opt(3, "keep the last N committed checkpoints", group="checkpoints")
+    async_save: bool = _opt(
+        False, "write checkpoints in the background while training goes on", group="checkpoints"
+    )
+    resume: str | None = _opt(
+        None,
+        "resume from 'latest' (the newest committed checkpoint under the checkpoint folder) or "
+        "a checkpoint path; needs the same --name or --checkpoint-dir as the run it continues",
+        group="checkpoints",
+    )
+    stop_after: int = _opt(
+        0,
+        "stop (with a checkpoint) after this many steps of this invocation, as if preempted; "
+        "resume with --resume latest (0: run to --max-steps)",
+        group="checkpoints",
+    )
     # launch
     nproc: int = _opt(
         2,
@@ -283,6 +318,18 @@ def to_toml(cfg: TrainConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def hybrid_shard_size(cfg: TrainConfig, world_size: int) -> int:
+    """Ranks per shard group for the hybrid strategies (``--shard-size``, or a default)."""
+    if cfg.shard_size > 0:
+        return cfg.shard_size
+    import os
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local < world_size:
+        return local  # several nodes: shard inside a node, replicate across nodes
+    return world_size // 2 if world_size % 2 == 0 else world_size
+
+
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Raise :class:`ConfigError` for bad input. Pure: same answer on every rank."""
     from fullshard.app.models import MODEL_SIZES, resolve_model_spec
@@ -319,7 +366,17 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(
                 f"--{key.replace('_', '-')} must be at least 1, got {getattr(cfg, key)}"
             )
-    for key in ("eval_every", "eval_batches", "warmup_steps", "sample_tokens", "top_k"):
+    for key in (
+        "eval_every",
+        "eval_batches",
+        "warmup_steps",
+        "sample_tokens",
+        "top_k",
+        "shard_size",
+        "save_every",
+        "keep",
+        "stop_after",
+    ):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(cfg, key)}")
     if not 0.0 <= cfg.val_fraction < 1.0:
@@ -336,6 +393,16 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"x --grad-accum {cfg.grad_accum} = {per_step}: every rank needs the same whole number "
             f"of sequences per micro-batch. Use e.g. --batch-size {lower} or {lower + per_step}."
         )
+    if cfg.strategy.startswith("hybrid"):
+        shard = hybrid_shard_size(cfg, world_size)
+        if shard < 1 or shard >= world_size or world_size % shard:
+            raise ConfigError(
+                f"--strategy {cfg.strategy} on {world_size} ranks needs a shard group size that "
+                f"divides the world size and is smaller than it (got {shard}); set --shard-size, "
+                "e.g. --shard-size 2 with 4 ranks"
+            )
+    if cfg.resume is not None and cfg.resume != "latest" and not Path(cfg.resume).exists():
+        raise ConfigError(f"--resume {cfg.resume!r}: no such checkpoint (or use 'latest')")
     if kind == "gpt" and cfg.seq_len > MODEL_SIZES[name].max_seq_len:
         raise ConfigError(
             f"--seq-len {cfg.seq_len} exceeds model {name!r}'s context of "

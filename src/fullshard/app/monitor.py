@@ -77,10 +77,13 @@ def make_run_dir(runs_dir: str, name: str | None) -> Path:
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per logged step, flushed at once (tail -f works)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, append: bool = False) -> None:
         self.path = path
         self.records: list[dict[str, Any]] = []
-        self._file = path.open("w", encoding="utf-8")
+        if append and path.is_file():  # a resumed run continues its log (and its loss curve)
+            lines = path.read_text(encoding="utf-8").splitlines()
+            self.records = [json.loads(line) for line in lines if line.strip()]
+        self._file = path.open("a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)

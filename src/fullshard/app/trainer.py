@@ -17,7 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fullshard.app.config import ConfigError, TrainConfig, to_toml, validate
+from fullshard import ShardedGradScaler
+from fullshard.app.checkpointing import TrainCheckpoints
+from fullshard.app.config import ConfigError, TrainConfig, hybrid_shard_size, to_toml, validate
 from fullshard.app.data import (
     RankBatches,
     build_tokenizer,
@@ -99,7 +101,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     tokens = encode_corpus(load_text(cfg.data), tokenizer)
     info = init_distributed(cfg.device, cfg.timeout)
     try:
-        return _train(cfg, info, tokenizer, tokens)
+        summary = _train(cfg, info, tokenizer, tokens)
+        # Leave together: a rank that tears down its gloo connections while a peer is still
+        # writing plots and files can abort on its way out.
+        dist.barrier()
+        return summary
     finally:
         dist.destroy_process_group()
 
@@ -126,13 +132,22 @@ def _train(
 
     from fullshard.app.wrap import clip_gradients, set_gradient_sync, shard_model
 
-    shard_model(model, cfg.strategy, unit_types_of(model), mixed_precision=cfg.mixed_precision)
+    shard_model(
+        model,
+        cfg.strategy,
+        unit_types_of(model),
+        mixed_precision=cfg.mixed_precision,
+        shard_size=hybrid_shard_size(cfg, world),
+        activation_checkpointing=cfg.activation_checkpointing,
+    )
     opt = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     )
+    # fp16 needs loss scaling; the sharded scaler makes the skip decision on every rank alike
+    scaler = ShardedGradScaler(device.type) if cfg.mixed_precision == "fp16" else None
 
     run_dir: Path | None = None
     log: MetricsLog | None = None
@@ -140,7 +155,18 @@ def _train(
     if rank == 0:
         run_dir = make_run_dir(cfg.runs_dir, cfg.name)
         (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
-        log = MetricsLog(run_dir / "metrics.jsonl")
+    # every rank needs the same checkpoint folder: rank 0 named the run folder
+    box = [cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")]
+    dist.broadcast_object_list(box, src=0)
+    ckpt = TrainCheckpoints(
+        box[0], model, opt, sched, sampler, keep=cfg.keep, async_save=cfg.async_save
+    )
+    done = ckpt.resume(cfg.resume) if cfg.resume is not None else 0
+    if rank == 0:
+        assert run_dir is not None
+        log = MetricsLog(run_dir / "metrics.jsonl", append=done > 0)
+        if done:
+            print(f"resumed from step {done} ({ckpt.resolve(cfg.resume or '')})", flush=True)
         print(
             f"fullshard train: {cfg.model} ({n_params / 1e6:.2f}M params), {world} ranks "
             f"({info.backend}), {cfg.strategy}, {len(tokens):,} tokens "
@@ -151,13 +177,14 @@ def _train(
         if cfg.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.max_steps, unit="step", dynamic_ncols=True)
+            bar = tqdm(total=cfg.max_steps, initial=done, unit="step", dynamic_ncols=True)
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses: list[float] = []
     start = last_t = time.perf_counter()
-    last_step, first_loss, last_loss, val_loss = 0, float("nan"), float("nan"), None
-    for step in range(1, cfg.max_steps + 1):
+    last_step, first_loss, last_loss, val_loss = done, float("nan"), float("nan"), None
+    stopped, step = False, done
+    for step in range(done + 1, cfg.max_steps + 1):
         step_loss = 0.0
         for k in range(cfg.grad_accum):
             # Reduce-scatter gradients only on the last micro-batch; earlier ones accumulate
@@ -165,17 +192,26 @@ def _train(
             set_gradient_sync(model, k == cfg.grad_accum - 1)
             x, y = sampler.next_batch()
             loss = _loss(model, x.to(device), y.to(device)) / cfg.grad_accum
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             step_loss += float(loss.detach())
+        if scaler is not None:
+            scaler.unscale_(opt)
         grad_norm = clip_gradients(model.parameters(), cfg.clip)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         lr = sched.get_last_lr()[0]
         sched.step()
         losses.append(step_loss)
 
+        if cfg.save_every > 0 and step % cfg.save_every == 0:
+            ckpt.save(step)
+        stopped = cfg.stop_after > 0 and step - done >= cfg.stop_after and step < cfg.max_steps
         is_eval = step == cfg.max_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
-        if not (step == 1 or step % cfg.log_every == 0 or is_eval):
+        if not (step == 1 or step % cfg.log_every == 0 or is_eval or stopped):
             if bar is not None:
                 bar.update(1)
             continue
@@ -187,7 +223,7 @@ def _train(
         now = time.perf_counter()
         tok_s = tokens_per_step * (step - last_step) / (now - last_t)
         last_step, last_t = step, now
-        first_loss = mean_loss if step == 1 else first_loss
+        first_loss = mean_loss if math.isnan(first_loss) else first_loss
         last_loss = mean_loss
         if log is not None:
             record: dict[str, Any] = {
@@ -211,12 +247,21 @@ def _train(
             bar.update(1)
             if val_loss is not None:
                 bar.write(f"step {step}: val_loss {val_loss:.4f}")
+        if stopped:  # as if preempted here: checkpoint, then leave
+            if ckpt.last_saved != step:
+                ckpt.save(step)
+            if rank == 0:
+                print(f"stopped after step {step} (--stop-after); resume with --resume latest")
+            break
     wall = time.perf_counter() - start
     if bar is not None:
         bar.close()
+    if not stopped and ckpt.last_saved != cfg.max_steps:
+        ckpt.save(cfg.max_steps)  # the finished run's weights: resume, convert or export them
+    ckpt.wait()
 
     sample = ""
-    if cfg.sample_tokens > 0:
+    if cfg.sample_tokens > 0 and not stopped:
         # Same generator seed on every rank: identical samples, identical forward shapes.
         gen = torch.Generator().manual_seed(cfg.seed)
         prompt = torch.tensor(tokenizer.encode(cfg.prompt) or [0], dtype=torch.long, device=device)
@@ -231,11 +276,13 @@ def _train(
         "world_size": world,
         "strategy": cfg.strategy,
         "steps": cfg.max_steps,
+        "stopped_after": step if stopped else None,
+        "resumed_from": done or None,
         "start_loss": first_loss,
         "end_loss": last_loss,
         "final_val_loss": val_loss,
         "train_wall_s": round(wall, 2),
-        "tokens_per_s": round(tokens_per_step * cfg.max_steps / wall, 1),
+        "tokens_per_s": round(tokens_per_step * (step - done) / wall, 1),
         "data_state": sampler.state_dict(),
     }
     if rank == 0 and run_dir is not None and log is not None:
@@ -248,7 +295,7 @@ def _train(
             json.dumps(summary, indent=2) + "\n", encoding="utf-8"
         )
         print(
-            f"done: {cfg.max_steps} steps in {wall:.1f}s, loss {first_loss:.3f} -> {last_loss:.3f}, "
+            f"done: steps {done + 1}-{step} in {wall:.1f}s, loss {first_loss:.3f} -> {last_loss:.3f}, "
             f"val {val_loss if val_loss is None else round(val_loss, 4)}, "
             f"{summary['tokens_per_s']:,.0f} tokens/s",
             flush=True,

@@ -10,16 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
-from fullshard import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from fullshard import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, parallelize
 
-__all__ = ["RESHARD_AFTER_FORWARD", "clip_gradients", "set_gradient_sync", "shard_model"]
-
-# Strategy name -> reshard_after_forward for the block units. full_shard frees each block's
-# gathered parameters after its forward and gathers them again for backward (least memory);
-# shard_grad_op keeps them until backward (one all-gather per unit per step, more memory).
-RESHARD_AFTER_FORWARD = {"full_shard": True, "shard_grad_op": False}
+__all__ = ["MIXED_PRECISION_DTYPES", "clip_gradients", "set_gradient_sync", "shard_model"]
 
 MIXED_PRECISION_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,29 +27,37 @@ def shard_model(
     unit_types: Iterable[type[nn.Module]],
     *,
     mixed_precision: str = "none",
+    shard_size: int = 0,
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Shard ``model``: every submodule of a type in ``unit_types`` becomes one unit, then the root.
 
-    Units are wrapped bottom-up (blocks before the root) because a unit owns exactly the
-    parameters not already owned by a unit below it; the root keeps the rest (embeddings, final
-    norm, head) and its default ``reshard_after_forward`` (it is needed again at once by backward).
+    ``strategy`` is a ``ShardingStrategy`` name; the hybrid ones shard inside groups of
+    ``shard_size`` ranks and replicate across the groups (a 2-D mesh). The root keeps its
+    default ``reshard_after_forward`` (backward needs it again at once).
     """
-    if strategy not in RESHARD_AFTER_FORWARD:
-        raise ValueError(
-            f"unknown strategy {strategy!r}: choose one of {', '.join(RESHARD_AFTER_FORWARD)}"
-        )
     dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     # Gradients are reduced in float32 even when computing in bf16/fp16: summing N ranks' low
     # precision gradients loses bits that the float32 master weights would keep.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     types = tuple(unit_types)
-    units = [m for m in model.modules() if isinstance(m, types) and m is not model]
-    if not units:
+    if not any(isinstance(m, types) and m is not model for m in model.modules()):
         raise ValueError(f"model {type(model).__name__} has no submodule of type {types}")
-    for unit in units:
-        fully_shard(unit, reshard_after_forward=RESHARD_AFTER_FORWARD[strategy], mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
+    mesh = None
+    if strategy.startswith("hybrid"):
+        world = dist.get_world_size()
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(
+            device, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+        )
+    return parallelize(
+        model,
+        strategy=strategy,
+        unit_types=types,
+        mp_policy=mp,
+        activation_checkpointing=activation_checkpointing,
+        mesh=mesh,
+    )
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -133,7 +134,9 @@ def convert(checkpoint: str, out: str, *, key: str = "model") -> str:
             f"{checkpoint} has no tensors under '{key}'; sections found: "
             f"{sorted({n.split('.')[0] for n in meta.state_dict_metadata})}"
         )
-    dcp.load({key: target}, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # "assuming ... a single process": that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({key: target}, storage_reader=reader, no_dist=True)
     path = out if out.endswith(".safetensors") else os.path.join(out, "model.safetensors")
     save_safetensors(target, path)
     return path

@@ -1,0 +1,122 @@
+"""What ``fullshard train`` saves to resume exactly, and how it resumes.
+
+A checkpoint holds the model and optimizer shards (DTensors, resharded by DCP on load), and one
+opaque ``RunState`` object with everything else a resumed run needs to continue *the same* run:
+the step, the LR scheduler, every rank's data-sampler position and RNG state. ``RunState`` is
+the same object on every rank (gathered before saving), so DCP stores it once.
+
+On the same world size each rank continues exactly where it stopped, so N steps + resume + M
+steps equals N + M uninterrupted steps. On another world size the data is split differently
+anyway; each rank's sampler is fast-forwarded by the number of batches already drawn.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fullshard import get_state_dict, set_state_dict
+from fullshard.app.data import RankBatches
+from fullshard.checkpoint import CheckpointManager, latest_checkpoint
+from fullshard.checkpoint.store import MANIFEST
+
+__all__ = ["RunState", "TrainCheckpoints"]
+
+
+@dataclass
+class RunState:
+    """Everything besides the model and optimizer that a resumed run needs."""
+
+    step: int
+    world_size: int
+    scheduler: dict[str, Any]
+    samplers: list[dict[str, Any]] = field(default_factory=list)
+    rng: list[torch.Tensor] = field(default_factory=list)
+
+
+def _gather(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class TrainCheckpoints:
+    """Saving and resuming one training run (call every method on every rank)."""
+
+    def __init__(
+        self,
+        root: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        sampler: RankBatches,
+        *,
+        keep: int,
+        async_save: bool,
+    ) -> None:
+        self.root = root
+        self.model, self.optimizer, self.scheduler, self.sampler = (
+            model,
+            optimizer,
+            scheduler,
+            sampler,
+        )
+        self.manager = CheckpointManager(root, keep=keep, async_save=async_save)
+        self.last_saved = -1
+
+    def _state(self, step: int) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        run = RunState(
+            step=step,
+            world_size=dist.get_world_size(),
+            scheduler=self.scheduler.state_dict(),
+            samplers=_gather(self.sampler.state_dict()),
+            rng=_gather(torch.get_rng_state()),
+        )
+        return {"model": model_sd, "optim": optim_sd, "run": run}
+
+    def save(self, step: int) -> str:
+        """Checkpoint after ``step`` optimizer steps (committed atomically)."""
+        self.last_saved = step
+        return self.manager.save(
+            step, self._state(step), meta={"world_size": dist.get_world_size()}
+        )
+
+    def wait(self) -> None:
+        self.manager.wait()
+
+    def resolve(self, resume: str) -> str | None:
+        """The checkpoint folder ``--resume`` names (``latest``, a checkpoint, or a root)."""
+        if resume == "latest":
+            return latest_checkpoint(self.root)
+        if os.path.isfile(os.path.join(resume, MANIFEST)):
+            return resume
+        return latest_checkpoint(resume)
+
+    def resume(self, resume: str) -> int:
+        """Load the checkpoint ``resume`` names; returns the step it was taken after."""
+        folder = self.resolve(resume)
+        state = self._state(0)  # the template DCP loads into (shards in place)
+        self.manager.load(state, folder)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        run: RunState = state["run"]
+        self.scheduler.load_state_dict(run.scheduler)
+        rank = dist.get_rank()
+        if run.world_size == dist.get_world_size():
+            self.sampler.load_state_dict(run.samplers[rank])
+            torch.set_rng_state(run.rng[rank])
+        else:
+            for _ in range(run.samplers[0]["batches_drawn"]):
+                self.sampler.next_batch()
+        self.last_saved = run.step
+        return run.step
