@@ -8,9 +8,12 @@ full gradient it reduces. In those units FULL_SHARD moves 3 model-sizes per step
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,13 +25,34 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class Timeline(Protocol):
+    """Where timed events go when someone is watching (``fullshard.observe`` implements it).
+
+    ``record`` may be called from a communication thread (collective completion), so an
+    implementation must only append.
+    """
+
+    def record(
+        self, name: str, cat: str, unit: str, start: float, end: float, nbytes: int = 0
+    ) -> None: ...
+
+
 @dataclass
 class CommStats:
-    """Per-rank counters of collectives issued: calls and bytes by kind and by (kind, unit)."""
+    """Per-rank counters of collectives issued: calls and bytes by kind and by (kind, unit).
+
+    With ``timeline`` set, every collective also records its span (issue to completion, as
+    seen by the communication thread) and every wait that blocked the caller ("exposed"
+    communication: time the rank could not compute).
+    """
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     unit_bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    timeline: Timeline | None = None
+    exposed_s: float = 0.0  # time spent blocked in waits (only counted while timeline is set)
+    # collectives whose completion we must observe by polling (gloo has no futures for them)
+    open_comm: list[tuple[dist.Work, str, str, float, int]] = field(default_factory=list)
 
     def record(self, kind: str, unit: str, nbytes: int) -> None:
         self.calls[kind] += 1
@@ -39,20 +63,53 @@ class CommStats:
         self.calls.clear()
         self.bytes.clear()
         self.unit_bytes.clear()
+        self.exposed_s = 0.0
+
+    def poll(self, done: dist.Work | None = None) -> None:
+        """Close the timeline spans of polled collectives that have completed by now.
+
+        Called at every wait (``done``: the work just waited for) and at every schedule point,
+        so a span ends at most one unit of compute after the transfer really finished. (gloo's
+        reduce-scatter work never reports ``is_completed()``; its span ends at its wait.)
+        """
+        if not self.open_comm or self.timeline is None:
+            return
+        now = time.perf_counter()
+        still = []
+        for work, kind, unit, t0, nbytes in self.open_comm:
+            if work is done or work.is_completed():
+                lane = "gather" if kind == "all_gather" else "reduce"
+                self.timeline.record(kind, lane, unit, t0, now, nbytes)
+            else:
+                still.append((work, kind, unit, t0, nbytes))
+        self.open_comm = still
 
 
 class Pending:
     """A collective in flight: ``wait()`` blocks at most ``timeout`` and names what it waited for."""
 
-    def __init__(self, work: dist.Work | None, what: str, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        work: dist.Work | None,
+        what: str,
+        timeout: timedelta,
+        stats: CommStats | None = None,
+        unit: str = "",
+    ) -> None:
         self._work = work
         self.what = what
         self._timeout = timeout
+        self._stats = stats
+        self._unit = unit
 
     def wait(self) -> None:
         if self._work is None:
             return
         work, self._work = self._work, None
+        timeline = self._stats.timeline if self._stats is not None else None
+        if timeline is not None and self._stats is not None:
+            self._stats.poll()
+        t0 = time.perf_counter()
         try:
             ok = work.wait(self._timeout)
         except RuntimeError as exc:  # gloo raises on timeout or on a peer that went away
@@ -67,10 +124,42 @@ class Pending:
                 f"rank {dist.get_rank()}: {self.what} did not finish within "
                 f"{self._timeout.total_seconds():.0f}s."
             )
+        if timeline is not None and self._stats is not None:
+            t1 = time.perf_counter()
+            self._stats.exposed_s += t1 - t0
+            timeline.record("wait " + self.what.split(" ")[0], "exposed", self._unit, t0, t1)
+            self._stats.poll(done=work)
 
     @property
     def done(self) -> bool:
         return self._work is None
+
+
+def _issue(
+    kind: str,
+    work_fn: Callable[[], dist.Work | None],
+    nbytes: int,
+    *,
+    stats: CommStats | None,
+    what: str,
+    unit: str,
+    timeout: timedelta,
+) -> Pending:
+    if stats is not None:
+        stats.record(kind, unit, nbytes)
+    t0 = time.perf_counter()
+    work = work_fn()
+    timeline = stats.timeline if stats is not None else None
+    lane = "gather" if kind == "all_gather" else "reduce"
+    if timeline is not None and stats is not None and work is not None:
+        try:
+            # completion as the communication thread sees it: the true end of the transfer
+            work.get_future().then(
+                lambda _: timeline.record(kind, lane, unit, t0, time.perf_counter(), nbytes)
+            )
+        except RuntimeError:  # gloo: "Work::getFuture not implemented" for these collectives
+            stats.open_comm.append((work, kind, unit, t0, nbytes))
+    return Pending(work, what, timeout, stats, unit)
 
 
 def all_gather(
@@ -84,9 +173,15 @@ def all_gather(
     timeout: timedelta,
 ) -> Pending:
     """Start ``all_gather_into_tensor(out, shard)`` asynchronously."""
-    stats.record("all_gather", unit, out.numel() * out.element_size())
-    work = _all_gather_single(out, shard, group=group, async_op=True)
-    return Pending(work, what, timeout)
+    return _issue(
+        "all_gather",
+        lambda: _all_gather_single(out, shard, group=group, async_op=True),
+        out.numel() * out.element_size(),
+        stats=stats,
+        what=what,
+        unit=unit,
+        timeout=timeout,
+    )
 
 
 def reduce_scatter(
@@ -104,11 +199,17 @@ def reduce_scatter(
     SUM, not AVG: gloo has no AVG, and summing then dividing by the world size on our side makes
     the 2-rank float32 result bitwise equal to a single process's ``(g0 + g1) / 2``.
     """
-    stats.record("reduce_scatter", unit, full.numel() * full.element_size())
-    work = _reduce_scatter_single(
-        out, full.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
+    return _issue(
+        "reduce_scatter",
+        lambda: _reduce_scatter_single(
+            out, full.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
+        ),
+        full.numel() * full.element_size(),
+        stats=stats,
+        what=what,
+        unit=unit,
+        timeout=timeout,
     )
-    return Pending(work, what, timeout)
 
 
 def all_reduce(
@@ -122,7 +223,12 @@ def all_reduce(
     timeout: timedelta,
 ) -> Pending:
     """Start an ``all_reduce`` asynchronously."""
-    if stats is not None:
-        stats.record("all_reduce", unit, tensor.numel() * tensor.element_size())
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return Pending(work, what, timeout)
+    return _issue(
+        "all_reduce",
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        tensor.numel() * tensor.element_size(),
+        stats=stats,
+        what=what,
+        unit=unit,
+        timeout=timeout,
+    )

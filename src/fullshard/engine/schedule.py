@@ -18,6 +18,8 @@ gathered unit that should be resharded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.autograd import Variable
 
@@ -51,6 +53,12 @@ class StepSchedule:
         self.backward_started: set[CommUnit] = set()
         self.backward_done: set[CommUnit] = set()
         self.forwarded: set[CommUnit] = set()
+        # observers (fullshard.observe): called as listener(point, unit) at each point below
+        self.listeners: list[Callable[[str, CommUnit], None]] = []
+
+    def _emit(self, point: str, unit: CommUnit) -> None:
+        for listener in self.listeners:
+            listener(point, unit)
 
     # -- forward --------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -65,15 +73,18 @@ class StepSchedule:
         self.forwarded.add(unit)
         self.prefetcher.record_pre_forward(unit)
         self.prefetcher.prefetch(self.prefetcher.forward_targets(unit), "forward prefetch")
+        self._emit("forward_start", unit)
 
     def pre_recompute(self, unit: CommUnit) -> None:
         """A forward recomputed inside backward (activation checkpointing) needs the unit."""
         finish_gather(unit, "recompute")
 
     def post_forward(self, unit: CommUnit, reshard: bool) -> None:
+        self._emit("forward_end", unit)
         self.prefetcher.record_post_forward(unit)
         if reshard:
             unit.reshard()
+            self._emit("free", unit)
 
     def end_forward(self, grad_enabled: bool) -> None:
         """Root post-forward: free what was prefetched but not used (a changed unit order)."""
@@ -102,12 +113,14 @@ class StepSchedule:
         self.backward_done.discard(unit)
         finish_gather(unit, "backward")
         self.prefetcher.prefetch(self.prefetcher.backward_targets(unit), "backward prefetch")
+        self._emit("backward_start", unit)
 
     def post_backward(self, unit: CommUnit) -> None:
         """The unit's backward is over: reduce-scatter its gradients and free it."""
         if unit in self.backward_done:
             return
         self.backward_done.add(unit)
+        self._emit("backward_end", unit)
         if unit.requires_grad_sync and unit.trainable:
             while len(self._reducing) >= MAX_REDUCES_IN_FLIGHT:
                 finish_reduce_scatter(self._reducing.pop(0))
@@ -115,6 +128,7 @@ class StepSchedule:
             self._reducing.append(unit)
         if unit.reshard_after_backward:
             unit.reshard()
+            self._emit("free", unit)
 
     def end_backward(self) -> None:
         """The root's end-of-backward callback (NOTE [End of backward])."""
@@ -125,6 +139,7 @@ class StepSchedule:
         for unit in self.units:
             if unit.reshard_after_backward:
                 unit.reshard()
+        self._emit("backward_done", self.root)
         self.backward_started.clear()
         self.backward_done.clear()
         self._callback_task = None

@@ -1,0 +1,158 @@
+"""``fullshard trace``: record a few real training steps per rank and show what FSDP did.
+
+Each rank trains a built-in model for ``--warmup`` steps (the first forward has no prefetch
+order yet), then records ``--steps`` steps with :class:`fullshard.observe.timeline.Recorder`
+and :class:`fullshard.observe.memory.MemoryTracker`. Rank 0 gathers every rank's events and
+writes:
+
+- ``trace.json``: Chrome/Perfetto trace (open in https://ui.perfetto.dev or chrome://tracing),
+  one process per rank, lanes compute / comm / exposed / free;
+- ``trace.png``: the same timeline drawn, ranks as rows;
+- ``trace_summary.json``: step time, exposed communication (time and share of the step),
+  bytes per collective kind in units of the model, memory peaks per phase and category.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fullshard.app.config import STRATEGIES
+from fullshard.app.launch import init_distributed
+from fullshard.app.models import build_model, count_params, unit_types_of
+from fullshard.app.wrap import shard_model
+from fullshard.observe.memory import MemoryTracker
+from fullshard.observe.plot import draw_timeline
+from fullshard.observe.timeline import (
+    Recorder,
+    chrome_trace,
+    exposed_seconds,
+    gather_events,
+    root_schedule,
+)
+
+__all__ = ["add_trace_arguments", "run_trace"]
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``fullshard trace`` (every one documented in ``--help``)."""
+    p.add_argument("--model", default="small", help="built-in model size (default: small, ~10M)")
+    p.add_argument("--strategy", default="full_shard", choices=STRATEGIES, help="sharding strategy")
+    p.add_argument(
+        "--shard-size", type=int, default=0, help="hybrid strategies: ranks per shard group"
+    )
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default: 2)")
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="sequences per rank per step (default: 8)"
+    )
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
+    p.add_argument("--warmup", type=int, default=2, help="untraced steps first (default: 2)")
+    p.add_argument("--steps", type=int, default=2, help="traced steps (default: 2)")
+    p.add_argument("--out", default="runs/trace", help="output folder (default: runs/trace)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    logits = model(x[:, :-1])
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def run_trace(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank's part of ``fullshard trace`` (under torchrun); returns the summary."""
+    info = init_distributed("auto", args.timeout)
+    try:
+        summary = _trace(args, info.rank, info.world_size, info.device)
+        dist.barrier()  # leave together (see the trainer)
+        return summary
+    finally:
+        dist.destroy_process_group()
+
+
+def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    model = build_model(args.model, 256, seed=0, device=device)
+    n_params = count_params(model)
+    shard = args.shard_size or max(1, world // 2)
+    shard_model(model, args.strategy, unit_types_of(model), shard_size=shard)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [
+        torch.randint(256, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
+        for _ in range(args.warmup + args.steps)
+    ]
+    for i in range(args.warmup):
+        _step(model, opt, batches[i])
+    recorder = Recorder().attach(model, opt)
+    memory = MemoryTracker().attach(model, opt)
+    stats = root_schedule(model).stats
+    stats.reset()
+    dist.barrier()
+    origin = time.perf_counter()
+    step_times = []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        _step(model, opt, batches[args.warmup + i])
+        step_times.append(time.perf_counter() - t0)
+        recorder.mark(f"step {i + 1}")
+    recorder.detach()
+    memory.detach()
+    events = gather_events(recorder.events)
+    origins: list[Any] = [None] * world
+    dist.all_gather_object(origins, origin)
+    exposed = exposed_seconds(recorder.events) / args.steps
+    per_rank: list[Any] = [None] * world
+    dist.all_gather_object(
+        per_rank,
+        {
+            "step_s": statistics.median(step_times),
+            "exposed_s": exposed,
+            "memory_peaks": memory.peaks,
+        },
+    )
+    model_bytes = n_params * 4
+    summary = {
+        "model": args.model,
+        "params": n_params,
+        "world_size": world,
+        "strategy": args.strategy,
+        "steps": args.steps,
+        "step_ms": 1e3 * statistics.median(r["step_s"] for r in per_rank),
+        "exposed_ms": 1e3 * statistics.median(r["exposed_s"] for r in per_rank),
+        "comm_per_step_in_model_units": {
+            k: v / args.steps / model_bytes for k, v in dict(stats.bytes).items()
+        },
+        "collectives_per_step": {k: v / args.steps for k, v in dict(stats.calls).items()},
+        "per_rank": per_rank,
+    }
+    summary["exposed_fraction"] = summary["exposed_ms"] / summary["step_ms"]
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        origin_by_rank = dict(enumerate(origins))
+        (out / "trace.json").write_text(json.dumps(chrome_trace(events, origin_by_rank)))
+        title = (
+            f"{args.model} ({n_params / 1e6:.1f}M params), {world} ranks, {args.strategy}: "
+            f"{args.steps} steps, exposed comm {100 * summary['exposed_fraction']:.1f}% of a step"
+        )
+        draw_timeline(events, origin_by_rank, out / "trace.png", title)
+        (out / "trace_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        comm = ", ".join(f"{k} {v:.2f}" for k, v in summary["comm_per_step_in_model_units"].items())
+        print(
+            f"{title}\nstep {summary['step_ms']:.1f} ms (median), exposed communication "
+            f"{summary['exposed_ms']:.1f} ms; bytes per step in model units: {comm}\n"
+            f"wrote {out / 'trace.json'}, {out / 'trace.png'}, {out / 'trace_summary.json'}",
+            flush=True,
+        )
+    return summary

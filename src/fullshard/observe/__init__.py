@@ -1,0 +1,1 @@
+"""Observability (layer 10): communication and memory accounting, timelines, planning."""

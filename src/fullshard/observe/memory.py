@@ -1,0 +1,176 @@
+"""Live memory by category and its peak per phase (layer 10), for one rank.
+
+Categories (bytes, each storage counted once):
+
+- ``sharded_params``: every unit's flat shard buffer (what the rank owns at rest);
+- ``gathered_window``: gathered storages currently allocated (the window of NOTE [Gathered
+  window] plus units kept by ``reshard_after_forward=False``);
+- ``gradients``: full local gradients not yet reduce-scattered, plus the sharded ``.grad``s;
+- ``optimizer_state``: every tensor in the optimizer's state;
+- ``activations``: tensors saved for backward by the current forward (parameters excluded),
+  measured with ``saved_tensors_hooks``: their total at the end of forward is the activation
+  peak; backward frees them progressively, which this estimate does not follow;
+- ``comm_buffers``: all-gather outputs waiting for copy-out and reduce-scatter inputs/outputs in
+  flight.
+
+Samples are taken at the schedule's points (each unit's forward/backward start and end, every
+free) and around the optimizer step: a handful of sums over the units, cheap enough to leave on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.engine.schedule import StepSchedule
+from fullshard.engine.unit import CommUnit
+from fullshard.observe.timeline import root_schedule
+
+CATEGORIES = (
+    "sharded_params",
+    "gathered_window",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "comm_buffers",
+)
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _unique_bytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class MemoryTracker:
+    """Tracks :data:`CATEGORIES` for one sharded root; ``peaks[phase][category]`` in bytes."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, dict[str, int]] = {
+            p: dict.fromkeys((*CATEGORIES, "total"), 0) for p in PHASES
+        }
+        self._schedule: StepSchedule | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._saved: dict[int, int] = {}
+        self._param_storages: set[int] = set()
+        self._handles: list[Any] = []
+        self._saved_ctx: Any = None
+
+    # -- sampling --------------------------------------------------------------------------
+    def current(self) -> dict[str, int]:
+        """Live bytes per category right now."""
+        assert self._schedule is not None
+        units = self._schedule.units
+        grads: list[torch.Tensor] = []
+        comm = 0
+        for u in units:
+            for p in u.trainable:
+                if p.unsharded is not None and p.unsharded.grad is not None:
+                    grads.append(p.unsharded.grad)
+                if p.sharded.grad is not None:
+                    grads.append(p.sharded.grad)
+            if u.gather_in_flight is not None and u.gather_in_flight[1] is not u.storage.flat:
+                out = u.gather_in_flight[1]
+                comm += out.numel() * out.element_size()
+            if u.reduce_in_flight is not None:
+                comm += _unique_bytes([u.reduce_in_flight.full, u.reduce_in_flight.out])
+        opt_state = 0
+        if self._optimizer is not None:
+            opt_state = _unique_bytes(
+                v for state in self._optimizer.state.values() for v in state.values()
+            )
+        return {
+            "sharded_params": sum(
+                u.shard_flat.numel() * u.shard_flat.element_size() for u in units
+            ),
+            "gathered_window": sum(
+                u.storage.nbytes for u in units if u.storage.allocated and not u.storage.aliased
+            ),
+            "gradients": _unique_bytes(grads),
+            "optimizer_state": opt_state,
+            "activations": sum(self._saved.values()),
+            "comm_buffers": comm,
+        }
+
+    def sample(self, phase: str) -> dict[str, int]:
+        now = self.current()
+        peak = self.peaks[phase]
+        for k, v in now.items():
+            peak[k] = max(peak[k], v)
+        peak["total"] = max(peak["total"], sum(now.values()))
+        return now
+
+    # -- wiring ----------------------------------------------------------------------------
+    def _on_point(self, point: str, unit: CommUnit) -> None:
+        if point == "forward_start" and unit is self._schedule.root:  # type: ignore[union-attr]
+            self._saved.clear()
+        phase = "backward" if point.startswith("backward") else "forward"
+        if point == "free":
+            phase = "backward" if self._schedule and self._schedule.backward_started else "forward"
+        self.sample(phase)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._param_storages:
+            self._saved[ptr] = storage.nbytes()
+        return t
+
+    def attach(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> MemoryTracker:
+        """Start tracking ``model`` (a sharded root, after its first forward) and its optimizer."""
+        schedule = root_schedule(model)
+        self._schedule = schedule
+        self._optimizer = optimizer
+        schedule.listeners.append(self._on_point)
+        for u in schedule.units:
+            # parameters are not activations: they live in these storages
+            self._param_storages.add(u.storage.flat.untyped_storage().data_ptr())
+            self._param_storages.add(u.shard_flat.untyped_storage().data_ptr())
+
+        def enter(*_: Any) -> None:
+            self._param_storages |= {
+                u.storage.flat.untyped_storage().data_ptr() for u in schedule.units
+            }
+            self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self._saved_ctx.__enter__()
+
+        def leave(*_: Any) -> None:
+            if self._saved_ctx is not None:
+                self._saved_ctx.__exit__(None, None, None)
+                self._saved_ctx = None
+
+        self._handles = [
+            model.register_forward_pre_hook(enter),
+            model.register_forward_hook(leave, always_call=True),
+        ]
+        if optimizer is not None:
+
+            def around_step(*_: Any) -> None:  # must return None: a value replaces step's args
+                self.sample("optimizer")
+
+            self._handles += [
+                optimizer.register_step_pre_hook(around_step),
+                optimizer.register_step_post_hook(around_step),
+            ]
+        return self
+
+    def detach(self) -> None:
+        if self._schedule is not None:
+            self._schedule.listeners.remove(self._on_point)
+            self._schedule = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def reset_peaks(self) -> None:
+        for peak in self.peaks.values():
+            for k in peak:
+                peak[k] = 0
