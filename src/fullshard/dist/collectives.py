@@ -13,12 +13,19 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
 
-from fullshard.policies import FullshardError
+from fullshard.dist.desync import (
+    DesyncError,
+    Position,
+    debug_enabled,
+    explain_failure,
+    fingerprint_check,
+    unit_code,
+)
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.4 has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -53,6 +60,18 @@ class CommStats:
     exposed_s: float = 0.0  # time spent blocked in waits (only counted while timeline is set)
     # collectives whose completion we must observe by polling (gloo has no futures for them)
     open_comm: list[tuple[dist.Work, str, str, float, int]] = field(default_factory=list)
+    # NOTE [Collective positions]: this rank's collective count and step, unit names by code
+    seq: int = 0
+    step: int = 0
+    names: dict[int, str] = field(default_factory=dict)
+    debug: bool = field(default_factory=debug_enabled)
+
+    def next_position(self, kind: str, unit: str, phase: str) -> Position:
+        """The position of the next collective this rank issues (and count it)."""
+        pos = Position(self.seq, self.step, kind, unit, phase)
+        self.seq += 1
+        self.names.setdefault(unit_code(unit), unit)
+        return pos
 
     def record(self, kind: str, unit: str, nbytes: int) -> None:
         self.calls[kind] += 1
@@ -95,12 +114,16 @@ class Pending:
         timeout: timedelta,
         stats: CommStats | None = None,
         unit: str = "",
+        position: Position | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self._work = work
         self.what = what
         self._timeout = timeout
         self._stats = stats
         self._unit = unit
+        self.position = position
+        self._group = group
 
     def wait(self) -> None:
         if self._work is None:
@@ -113,17 +136,9 @@ class Pending:
         try:
             ok = work.wait(self._timeout)
         except RuntimeError as exc:  # gloo raises on timeout or on a peer that went away
-            raise FullshardError(
-                f"rank {dist.get_rank()}: {self.what} failed or timed out after "
-                f"{self._timeout.total_seconds():.0f}s: {exc}. Another rank may have died or "
-                "taken a different path through the model (check that every rank runs the same "
-                "forward/backward sequence)."
-            ) from exc
+            self._fail(f"failed ({str(exc).splitlines()[0][:200]})")
         if ok is False:
-            raise FullshardError(
-                f"rank {dist.get_rank()}: {self.what} did not finish within "
-                f"{self._timeout.total_seconds():.0f}s."
-            )
+            self._fail(f"did not finish within {self._timeout.total_seconds():.0f}s")
         if timeline is not None and self._stats is not None:
             t1 = time.perf_counter()
             self._stats.exposed_s += t1 - t0
@@ -134,19 +149,37 @@ class Pending:
     def done(self) -> bool:
         return self._work is None
 
+    def _fail(self, how: str) -> NoReturn:
+        where = explain_failure(self.position, self.what, self._group)
+        raise DesyncError(
+            f"rank {dist.get_rank()}: {self.what} {how}. Where every rank is: {where}. A rank "
+            "that did not report died or is stuck; ranks at different positions ran different "
+            "forward/backward sequences."
+        )
+
 
 def _issue(
     kind: str,
     work_fn: Callable[[], dist.Work | None],
+    tensor: torch.Tensor,
     nbytes: int,
     *,
     stats: CommStats | None,
     what: str,
     unit: str,
     timeout: timedelta,
+    group: dist.ProcessGroup | None,
+    phase: str,
+    position: Position | None,
 ) -> Pending:
     if stats is not None:
         stats.record(kind, unit, nbytes)
+        if position is None:
+            position = stats.next_position(kind, unit, phase)
+        if stats.debug:
+            fingerprint_check(
+                position, tensor.numel(), tensor.dtype, group, tensor.device, timeout, stats.names
+            )
     t0 = time.perf_counter()
     work = work_fn()
     timeline = stats.timeline if stats is not None else None
@@ -159,7 +192,7 @@ def _issue(
             )
         except RuntimeError:  # gloo: "Work::getFuture not implemented" for these collectives
             stats.open_comm.append((work, kind, unit, t0, nbytes))
-    return Pending(work, what, timeout, stats, unit)
+    return Pending(work, what, timeout, stats, unit, position, group)
 
 
 def all_gather(
@@ -171,16 +204,22 @@ def all_gather(
     what: str,
     unit: str,
     timeout: timedelta,
+    phase: str = "all-gather",
+    position: Position | None = None,
 ) -> Pending:
     """Start ``all_gather_into_tensor(out, shard)`` asynchronously."""
     return _issue(
         "all_gather",
         lambda: _all_gather_single(out, shard, group=group, async_op=True),
+        out,
         out.numel() * out.element_size(),
         stats=stats,
         what=what,
         unit=unit,
         timeout=timeout,
+        group=group,
+        phase=phase,
+        position=position,
     )
 
 
@@ -204,11 +243,15 @@ def reduce_scatter(
         lambda: _reduce_scatter_single(
             out, full.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
         ),
+        full,
         full.numel() * full.element_size(),
         stats=stats,
         what=what,
         unit=unit,
         timeout=timeout,
+        group=group,
+        phase="reduce-scatter",
+        position=None,
     )
 
 
@@ -226,9 +269,13 @@ def all_reduce(
     return _issue(
         "all_reduce",
         lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        tensor,
         tensor.numel() * tensor.element_size(),
         stats=stats,
         what=what,
         unit=unit,
         timeout=timeout,
+        group=group,
+        phase="all-reduce",
+        position=None,
     )

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fullshard.dist.mesh import mesh_info
+from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, signature
 from fullshard.engine.gather import finish_gather, start_gather
 from fullshard.engine.hooks import FSDPState
 from fullshard.engine.param import ShardedParam
@@ -227,6 +228,7 @@ def fully_shard(
     found, children = _collect_params(module)
     _check_params(found, children, unit_name, module)
     entries = list(found.values())
+    check_same_model(unit_name, signature(entries), info)
     params = [
         ShardedParam(fqns, refs, i, p.shape, p.requires_grad)
         for i, (fqns, p, refs) in enumerate(entries)
@@ -245,6 +247,7 @@ def fully_shard(
         sp.expose(unsharded=False)
     state = FSDPState(module, unit, reshard_after_forward)
     state.originals = {id(p): (fqns[0], weakref.ref(p)) for fqns, p, _ in entries}
+    OPTIMIZER_GUARD.track([(fqns[0], p) for fqns, p, _ in entries])
     install_state_dict_hooks(module, unit)
     for child in children:
         child.parent = state

@@ -24,6 +24,7 @@ import torch
 from torch.autograd import Variable
 
 from fullshard.dist.collectives import CommStats
+from fullshard.dist.desync import unit_code
 from fullshard.engine.gather import finish_gather
 from fullshard.engine.prefetch import Prefetcher
 from fullshard.engine.reduce_scatter import finish_reduce_scatter, start_reduce_scatter
@@ -43,6 +44,8 @@ class StepSchedule:
         self.stats = CommStats()
         for unit in units:
             unit.stats = self.stats  # one set of counters per root, split by unit name
+            # every unit's name by its code, to decode other ranks' positions (desync errors)
+            self.stats.names[unit_code(unit.name)] = unit.name
         self.prefetcher = Prefetcher(root)
         self.prefetcher.units = units
         self.phase = Phase.IDLE
@@ -145,6 +148,7 @@ class StepSchedule:
         self._callback_task = None
         self.phase = Phase.IDLE
         self.step += 1
+        self.stats.step = self.step
 
     def _finish_all_reduces(self) -> None:
         while self._reducing:

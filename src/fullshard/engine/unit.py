@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fullshard.dist.collectives import CommStats, Pending
+from fullshard.dist.desync import TAG_LEN
 from fullshard.dist.mesh import MeshInfo
 from fullshard.engine.param import GatheredStorage, ShardedParam
 from fullshard.policies import (
@@ -69,8 +70,8 @@ class CommUnit:
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.requires_grad_sync = True
-        # (pending all-gather, its rank-major output buffer) while GATHERING
-        self.gather_in_flight: tuple[Pending, torch.Tensor] | None = None
+        # (pending all-gather, its rank-major output buffer, the tag sent) while GATHERING
+        self.gather_in_flight: tuple[Pending, torch.Tensor, torch.Tensor | None] | None = None
         self.reduce_in_flight: ReduceInFlight | None = None
 
         dtypes = {t.dtype for t in originals}
@@ -92,7 +93,9 @@ class CommUnit:
             and offload.pin_memory
             and torch.cuda.is_available()
         )
-        self.layout = FlatLayout([p.shape for p in params], mesh.world_size)
+        # the tail carries the all-gather's position tags (NOTE [Collective positions])
+        tail = TAG_LEN if mesh.world_size > 1 else 0
+        self.layout = FlatLayout([p.shape for p in params], mesh.world_size, tail=tail)
         self.trainable = [p for p in params if p.requires_grad]
         self.grad_layout = FlatLayout([p.shape for p in self.trainable], mesh.world_size)
         self.shard_flat = torch.zeros(0)

@@ -69,10 +69,15 @@ class Slot:
 
 
 class FlatLayout:
-    """The flat layout of a list of parameter shapes for one world size."""
+    """The flat layout of a list of parameter shapes for one world size.
 
-    def __init__(self, shapes: Sequence[torch.Size], world: int) -> None:
+    ``tail`` extra elements end each rank's flat shard: room for the all-gather's position tags
+    (NOTE [Collective positions]); they are not part of any parameter.
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], world: int, tail: int = 0) -> None:
         self.world = world
+        self.tail = tail
         slots = []
         offset = 0
         for shape in shapes:
@@ -81,8 +86,9 @@ class FlatLayout:
             slots.append(Slot(torch.Size(shape), rows, row_numel, offset))
             offset += rows * row_numel
         self.slots: list[Slot] = slots
-        self.shard_numel = offset  # S: one rank's flat shard, padding included
-        self.split_sizes = [s.padded_numel for s in slots]
+        self.data_numel = offset  # the parameters' part of one rank's flat shard (padded)
+        self.shard_numel = offset + tail  # S: one rank's flat shard, padding and tail included
+        self.split_sizes = [s.padded_numel for s in slots] + ([tail] if tail else [])
 
     @property
     def total_numel(self) -> int:
@@ -108,13 +114,23 @@ class FlatLayout:
         for i, full in enumerate(tensors):
             self.shard_view(out, i, rank).copy_(chunk_of(full, self.world, rank))
 
-    def copy_out(self, gathered: torch.Tensor, flat_gathered: torch.Tensor) -> None:
-        """Rank-major all-gather output -> parameter-major gathered storage, in one kernel."""
+    def copy_out(
+        self, gathered: torch.Tensor, flat_gathered: torch.Tensor, tails: torch.Tensor | None = None
+    ) -> None:
+        """Rank-major all-gather output -> parameter-major gathered storage, in one kernel.
+
+        Each rank's tail lands in row r of ``tails`` (``(world, tail)``; a scratch buffer when
+        not given).
+        """
         w = self.world
         outs = [
             flat_gathered[w * s.offset : w * (s.offset + s.padded_numel)].view(w, s.padded_numel)
             for s in self.slots
         ]
+        if self.tail:
+            if tails is None:
+                tails = torch.empty(w, self.tail, dtype=gathered.dtype, device=gathered.device)
+            outs.append(tails)
         torch.split_with_sizes_copy(
             gathered.view(w, self.shard_numel), self.split_sizes, 1, out=outs
         )

@@ -1,0 +1,276 @@
+"""Faults: desync, a dead or stalled rank, models that differ, bad input. Every surviving rank
+raises a clear error that says which rank is where, and nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from harness import RanksFailed, run_ranks
+from toy import Block, ToyLM, batches, loss_of, shard_toy
+from torch import nn
+
+from fullshard import FullshardError, fully_shard
+from fullshard.dist.desync import DesyncError
+
+
+def _catch(fn) -> dict:  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    try:
+        fn()
+        return {"error": "", "type": "", "seconds": time.perf_counter() - t0}
+    except FullshardError as e:
+        return {"error": str(e), "type": type(e).__name__, "seconds": time.perf_counter() - t0}
+
+
+class _SkippingLM(ToyLM):
+    """Rank 1 skips block 1 in forward: 'another branch'."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for i, block in enumerate(self.blocks):
+            if not (i == 1 and torch.distributed.get_rank() == 1):
+                x = block(x)
+        return self.head(self.norm(x))
+
+
+def _desync(rank: int, world: int, how: str) -> dict:
+    torch.manual_seed(0)
+    model = shard_toy(_SkippingLM() if how == "branch" else ToyLM())
+    data = batches(4, world)
+
+    def run() -> None:
+        for step in range(4):
+            if how == "skip_forward" and rank == 1 and step == 1:
+                continue  # rank 1 skips a whole forward/backward
+            micro = 3 if (how == "micro_batches" and rank == 1) else 2
+            for k in range(micro if how == "micro_batches" else 1):
+                model.set_requires_gradient_sync(k == micro - 1 or how != "micro_batches")
+                loss_of(model, data[step][rank]).backward()
+
+    return _catch(run)
+
+
+def test_another_branch_is_caught_at_once_by_the_payload_tags() -> None:
+    # blocks 1 and 2 have the same size: without the tags rank 0 would compute with rank 1's
+    # block-2 shards. Both ranks raise at the first mispaired gather, naming both positions.
+    for res in run_ranks(_desync, 2, "branch", timeout_s=90):
+        assert res["type"] == "DesyncError", res
+        msg = res["error"]
+        assert "rank 0: forward gather of unit 'blocks.1'" in msg, msg
+        assert "rank 1: forward gather of unit 'blocks.2'" in msg, msg
+        assert res["seconds"] < 5, res
+
+
+def test_different_micro_batch_counts_fail_within_the_timeout_naming_positions() -> None:
+    os.environ["FULLSHARD_REPORT_WAIT_S"] = "3"
+    try:
+        res = run_ranks(_desync, 2, "micro_batches", timeout_s=90, pg_timeout_s=8)
+    finally:
+        del os.environ["FULLSHARD_REPORT_WAIT_S"]
+    for r in res:
+        assert r["type"] == "DesyncError", r
+        assert "rank 0: reduce-scatter of unit" in r["error"], r
+        assert "rank 1: backward gather of unit" in r["error"], r
+        assert r["seconds"] < 30, r
+
+
+def test_a_skipped_forward_makes_the_busier_rank_fail_naming_the_other() -> None:
+    # rank 1 skips one step: its collectives pair with rank 0's (same units, same order) until
+    # it has run out of steps and left; rank 0's next collective then fails, naming rank 1
+    os.environ["FULLSHARD_REPORT_WAIT_S"] = "3"
+    try:
+        res = run_ranks(_desync, 2, "skip_forward", timeout_s=90, pg_timeout_s=8)
+    finally:
+        del os.environ["FULLSHARD_REPORT_WAIT_S"]
+    assert res[0]["type"] == "DesyncError", res[0]
+    assert "rank 1: did not report" in res[0]["error"] and "step 3" in res[0]["error"]
+    assert res[0]["seconds"] < 30
+    assert res[1]["error"] == ""  # it finished its (shorter) loop
+
+
+def _debug_mode(rank: int, world: int) -> dict:
+    os.environ["FULLSHARD_DEBUG_COLLECTIVES"] = "1"
+    torch.manual_seed(0)
+
+    class Uneven(nn.Module):  # blocks of different sizes: skipping one mismatches the sizes
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 8)
+            self.c = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if rank == 0:
+                x = self.a(x)
+            return self.c(self.b(x))
+
+    model = Uneven()
+    for m in (model.a, model.b, model.c):
+        fully_shard(m)
+    fully_shard(model)
+    return _catch(lambda: model(torch.randn(3, 4)).sum().backward())
+
+
+def test_debug_mode_catches_a_size_mismatch_at_once() -> None:
+    for res in run_ranks(_debug_mode, 2, timeout_s=60):
+        assert res["type"] == "DesyncError" and "debug mode" in res["error"], res
+        assert "unit 'a'" in res["error"] and "unit 'b'" in res["error"], res
+        assert res["seconds"] < 10, res
+
+
+def _dead_rank(rank: int, world: int) -> dict:
+    os.environ["FULLSHARD_REPORT_WAIT_S"] = "3"
+    torch.manual_seed(0)
+    model = shard_toy(ToyLM())
+    data = batches(3, world)
+    loss_of(model, data[0][rank]).backward()
+    if rank == 1:
+        os._exit(1)  # killed mid-run
+    return _catch(lambda: loss_of(model, data[1][rank]).backward())
+
+
+def test_a_dead_rank_is_named_by_the_survivors() -> None:
+    with pytest.raises(RanksFailed) as info:
+        run_ranks(_dead_rank, 2, timeout_s=90, pg_timeout_s=20)
+    text = str(info.value)
+    assert "rank 1 raised" in text and "exited with code 1" in text  # the one we killed
+    assert "rank 0 raised" not in text  # the survivor returned its caught error instead
+
+
+def _dead_rank_report(rank: int, world: int) -> dict:
+    res = _dead_rank(rank, world)
+    return res
+
+
+def test_survivor_error_names_the_lost_rank() -> None:
+    # run_ranks fails because rank 1 died; the survivor's own error is checked via a file
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rank0.txt")
+        with pytest.raises(RanksFailed):
+            run_ranks(_survivor, 2, path, timeout_s=90, pg_timeout_s=20)
+        with open(path) as f:
+            msg, seconds = f.read().rsplit("|", 1)
+    assert "rank 1: did not report" in msg, msg
+    assert "rank 0:" in msg and "unit '" in msg, msg
+    assert float(seconds) < 30
+
+
+def _survivor(rank: int, world: int, path: str) -> None:
+    res = _dead_rank(rank, world)
+    with open(path, "w") as f:
+        f.write(f"{res['error']}|{res['seconds']}")
+
+
+def _stall(rank: int, world: int) -> dict:
+    os.environ["FULLSHARD_REPORT_WAIT_S"] = "2"
+    torch.manual_seed(0)
+    model = shard_toy(ToyLM())
+    data = batches(2, world)
+    loss_of(model, data[0][rank]).backward()
+    if rank == 1:
+        time.sleep(12)  # stuck outside any collective for longer than the timeout
+    return _catch(lambda: loss_of(model, data[1][rank]).backward())
+
+
+def test_a_stalled_rank_times_out_instead_of_hanging() -> None:
+    os.environ["FULLSHARD_TIMEOUT_S"] = "5"
+    try:
+        res = run_ranks(_stall, 2, timeout_s=90, pg_timeout_s=5)
+    finally:
+        del os.environ["FULLSHARD_TIMEOUT_S"]
+    assert res[0]["type"] == "DesyncError", res[0]
+    assert "rank 1: did not report" in res[0]["error"], res[0]
+    assert res[0]["seconds"] < 12
+    assert res[1]["type"] == "DesyncError"  # the late rank then fails too, it does not hang
+
+
+def _differs(rank: int, world: int, what: str) -> dict:
+    torch.manual_seed(0)
+    if what == "shape":
+        block = Block(hidden=13 if rank == 0 else 14)
+    elif what == "dtype":
+        block = Block().to(torch.float64 if rank == 1 else torch.float32)
+    else:
+        block = Block()
+        if rank == 1:
+            block.extra = nn.Parameter(torch.zeros(3))
+    return _catch(lambda: fully_shard(block))
+
+
+@pytest.mark.parametrize(
+    "what,says",
+    [
+        ("shape", "shape (14, 12) vs (13, 12)"),
+        ("dtype", "dtype torch.float64 vs torch.float32"),
+        ("count", "extra parameter 'extra'"),
+    ],
+)
+def test_a_model_that_differs_across_ranks_is_refused_before_any_gather(
+    what: str, says: str
+) -> None:
+    for res in run_ranks(_differs, 2, what, timeout_s=60):
+        assert says in res["error"] and "rank 1" in res["error"], res
+
+
+def _bad_inputs(rank: int, world: int) -> dict:
+    import warnings
+
+    out = {}
+    torch.manual_seed(0)
+    # optimizer built before wrapping: warned at its first step
+    model = ToyLM()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard_toy(model)
+    loss_of(model, batches(1, world)[0][rank]).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        early.step()
+    out["early_optimizer"] = " ".join(str(w.message) for w in caught)
+    # an empty unit (no parameters) works and issues nothing
+    holder = nn.Sequential(nn.ReLU(), nn.Linear(3, 2))
+    fully_shard(holder[0])
+    fully_shard(holder)
+    holder(torch.randn(2, 3)).sum().backward()
+    out["empty_unit_ok"] = holder[1].weight.grad is not None
+    # a non-contiguous parameter is sharded from its values
+    lin = nn.Linear(4, 6)
+    lin.weight = nn.Parameter(torch.randn(4, 6).t())  # non-contiguous view
+    ref = lin.weight.detach().clone()
+    fully_shard(lin)
+    lin.unshard()
+    out["noncontig_ok"] = torch.equal(lin.weight, ref)
+    lin.reshard()
+    # optimizer step before any backward: nothing changes, no error
+    m2 = shard_toy(ToyLM())
+    opt = torch.optim.AdamW(m2.parameters())
+    before = [p.detach().clone() for p in m2.parameters()]
+    opt.step()
+    out["step_before_backward_ok"] = all(
+        torch.equal(a, p) for a, p in zip(before, m2.parameters(), strict=True)
+    )
+    # zero_grad in both modes keeps the next gradient exact
+    grads = {}
+    for set_to_none in (True, False):
+        torch.manual_seed(0)
+        m3 = shard_toy(ToyLM())
+        o3 = torch.optim.SGD(m3.parameters(), lr=0.1)
+        for step in range(2):
+            loss_of(m3, batches(2, world)[step][rank]).backward()
+            if step == 0:
+                o3.zero_grad(set_to_none=set_to_none)
+        grads[set_to_none] = [p.grad.clone() for p in m3.parameters() if p.grad is not None]
+    out["zero_grad_modes_agree"] = all(
+        torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True)
+    )
+    return out
+
+
+def test_bad_input_catalog() -> None:
+    for res in run_ranks(_bad_inputs, 2, timeout_s=90):
+        assert "built before wrapping" in res["early_optimizer"], res
+        assert res["empty_unit_ok"] and res["noncontig_ok"]
+        assert res["step_before_backward_ok"] and res["zero_grad_modes_agree"]
