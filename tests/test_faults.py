@@ -9,11 +9,10 @@ import time
 import pytest
 import torch
 from harness import RanksFailed, run_ranks
-from toy import Block, ToyLM, batches, loss_of, shard_toy
 from torch import nn
+from toy import Block, ToyLM, batches, loss_of, shard_toy
 
 from fullshard import FullshardError, fully_shard
-from fullshard.dist.desync import DesyncError
 
 
 def _catch(fn) -> dict:  # type: ignore[no-untyped-def]
