@@ -8,6 +8,7 @@ message, not one per rank) and re-launches itself on ``--nproc`` local ranks; un
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fullshard.app.config import (
@@ -65,7 +66,46 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--key", default="model", help="state-dict section holding the weights (default: model)"
     )
+    _add_plan_parser(sub)
+    trace = sub.add_parser(
+        "trace",
+        help="record a few training steps per rank: timeline (JSON + PNG), exposed communication",
+        description="Train a built-in model for a few steps on N local ranks and record, per rank, "
+        "every gather / compute / free / reduce-scatter / optimizer step. Writes a "
+        "Chrome/Perfetto trace (trace.json), a PNG with ranks as rows (trace.png) and a summary "
+        "with the exposed (non-overlapped) communication time.",
+        allow_abbrev=False,
+    )
+    from fullshard.app.tracing import add_trace_arguments
+
+    add_trace_arguments(trace)
     return parser
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from fullshard.observe.plan_model import PLAN_EPILOG, add_plan_arguments
+
+    plan = sub.add_parser(
+        "plan",
+        help="per-device memory and communication of a sharded run, before you buy hardware",
+        description="Predict per-device memory (the ZeRO ladder, gathered window, activations, "
+        "peak per phase) and communication per step, from a parameter count (analytic mode) or "
+        "a model definition built on the meta device (model mode), and recommend a strategy.",
+        epilog=PLAN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add_plan_arguments(plan)
+    check = plan.add_argument_group("check mode")
+    check.add_argument(
+        "--check",
+        action="store_true",
+        help="model mode: also run the model on --devices local ranks and print predicted vs "
+        "measured peak memory per phase and category",
+    )
+    check.add_argument(
+        "--check-steps", type=int, default=2, help="measured training steps (default: 2)"
+    )
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -103,6 +143,39 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, argv: list[str]) -> int:
+    from fullshard.app.launch import launch_local, under_torchrun
+    from fullshard.observe.plan_model import run
+
+    if args.check:
+        if args.model is None:
+            raise ConfigError("--check runs a model: give --model (model mode)")
+        if not under_torchrun():
+            return launch_local(args.devices, argv)
+        from fullshard.app.plan_check import check_json, check_rank, format_check
+
+        res = check_rank(args)
+        if os.environ["RANK"] == "0":
+            print(check_json(res) if args.json else format_check(res), flush=True)
+        return 0
+    try:
+        print(run(args))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
+def _trace(args: argparse.Namespace, argv: list[str]) -> int:
+    from fullshard.app.launch import launch_local, under_torchrun
+
+    if not under_torchrun():
+        return launch_local(args.nproc, argv)
+    from fullshard.app.tracing import run_trace
+
+    run_trace(args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fullshard`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -113,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "plan":
+            return _plan(args, argv)
+        if args.command == "trace":
+            return _trace(args, argv)
     except (ConfigError, FullshardError) as exc:
         # One line on stderr and status 2 (argparse's convention for usage errors), on every rank.
         print(f"fullshard {args.command}: error: {exc}", file=sys.stderr)

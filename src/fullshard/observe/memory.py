@@ -7,9 +7,9 @@ Categories (bytes, each storage counted once):
   window] plus units kept by ``reshard_after_forward=False``);
 - ``gradients``: full local gradients not yet reduce-scattered, plus the sharded ``.grad``s;
 - ``optimizer_state``: every tensor in the optimizer's state;
-- ``activations``: tensors saved for backward by the current forward (parameters excluded),
-  measured with ``saved_tensors_hooks``: their total at the end of forward is the activation
-  peak; backward frees them progressively, which this estimate does not follow;
+- ``activations``: storages of tensors saved for backward by the current forward (parameters
+  excluded), found with ``saved_tensors_hooks``; a storage counts while autograd still holds a
+  tensor saved on it, so backward's progressive release shows;
 - ``comm_buffers``: all-gather outputs waiting for copy-out and reduce-scatter inputs/outputs in
   flight.
 
@@ -19,6 +19,7 @@ free) and around the optimizer step: a handful of sums over the units, cheap eno
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -57,7 +58,9 @@ class MemoryTracker:
         }
         self._schedule: StepSchedule | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._saved: dict[int, int] = {}
+        # weak references to the tensors saved for backward: a storage is live while autograd
+        # still holds a tensor saved on it (backward releases them as it goes)
+        self._saved: list[weakref.ref[torch.Tensor]] = []
         self._param_storages: set[int] = set()
         self._handles: list[Any] = []
         self._saved_ctx: Any = None
@@ -94,9 +97,13 @@ class MemoryTracker:
             ),
             "gradients": _unique_bytes(grads),
             "optimizer_state": opt_state,
-            "activations": sum(self._saved.values()),
+            "activations": self._live_activations(),
             "comm_buffers": comm,
         }
+
+    def _live_activations(self) -> int:
+        live = [t for t in (r() for r in self._saved) if t is not None]
+        return _unique_bytes(live)
 
     def sample(self, phase: str) -> dict[str, int]:
         now = self.current()
@@ -110,6 +117,8 @@ class MemoryTracker:
     def _on_point(self, point: str, unit: CommUnit) -> None:
         if point == "forward_start" and unit is self._schedule.root:  # type: ignore[union-attr]
             self._saved.clear()
+        if point == "backward_done":
+            self._saved.clear()  # backward has released every saved tensor
         phase = "backward" if point.startswith("backward") else "forward"
         if point == "free":
             phase = "backward" if self._schedule and self._schedule.backward_started else "forward"
@@ -119,7 +128,7 @@ class MemoryTracker:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self._param_storages:
-            self._saved[ptr] = storage.nbytes()
+            self._saved.append(weakref.ref(t))
         return t
 
     def attach(

@@ -1,0 +1,123 @@
+"""``fullshard plan --check``: run the planned model and print predicted vs measured peaks.
+
+Each rank builds the model, shards it with the planned strategy, trains ``--check-steps`` steps
+(fp32 AdamW, random tokens, the planned batch and sequence) with
+:class:`fullshard.observe.memory.MemoryTracker` attached, and rank 0 prints, per phase and
+category, the planner's prediction next to the measured peak of live tensor storage (the worst
+rank), plus each rank's peak resident-set growth for reference.
+
+The tracker sees what the engine and the optimizer hold; the planner's ``other`` (foreach
+optimizer temporaries) and the loss's own saved tensors are outside it, so they are not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fullshard.app.launch import init_distributed
+from fullshard.app.models import build_model, unit_types_of
+from fullshard.app.wrap import shard_model
+from fullshard.observe.memory import CATEGORIES, PHASES, MemoryTracker
+from fullshard.observe.plan import PlanConfig
+from fullshard.observe.plan_model import plan_model
+
+__all__ = ["check_rank", "format_check"]
+
+MIB = 2**20
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / MIB
+
+
+def check_rank(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of the check (under torchrun); returns predicted and measured figures."""
+    info = init_distributed("auto", 300.0)
+    try:
+        out = _check(args, info.rank, info.world_size, info.device)
+        dist.barrier()  # leave together (see the trainer)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    config = PlanConfig(
+        strategy=args.strategy,
+        hybrid_group=args.hybrid_group,
+        precision="fp32",
+        batch=args.batch,
+        seq=args.seq or 128,
+    )
+    plan = plan_model(args.model, world, config, with_recommendation=False)
+    rss0 = _rss_mib()
+    model = build_model(args.model, 256, seed=0, device=device)
+    group = config.shard_group(world)
+    shard_model(model, args.strategy, unit_types_of(model), shard_size=group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(rank)
+    tracker: MemoryTracker | None = None
+    for step in range(args.check_steps + 1):
+        x = torch.randint(256, (config.batch, config.seq + 1), generator=gen).to(device)
+        logits = model(x[:, :-1])
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == 0:  # the root is set up on the first forward: track from the next step
+            tracker = MemoryTracker().attach(model, opt)
+    assert tracker is not None
+    tracker.detach()
+    mine = {"peaks": tracker.peaks, "rss_growth_mib": _rss_mib() - rss0}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    predicted = {p: plan.phases[p].categories() for p in PHASES}
+    for p in PHASES:
+        predicted[p]["total"] = plan.phases[p].total - plan.phases[p].other
+    measured = {
+        p: {c: max(r["peaks"][p][c] for r in everyone) for c in (*CATEGORIES, "total")}
+        for p in PHASES
+    }
+    return {
+        "model": args.model,
+        "world": world,
+        "strategy": args.strategy,
+        "predicted": predicted,
+        "measured": measured,
+        "rss_growth_mib": [r["rss_growth_mib"] for r in everyone],
+    }
+
+
+def format_check(res: dict[str, Any]) -> str:
+    """Predicted vs measured, per phase and category, with the relative error of each total."""
+    lines = [
+        f"fullshard plan --check: {res['model']} on {res['world']} ranks, {res['strategy']} "
+        "(MiB per rank; measured = peak live tensor storage of the worst rank)",
+        f"{'phase':<10} {'category':<17} {'predicted':>10} {'measured':>10} {'error':>8}",
+    ]
+    for phase in PHASES:
+        for cat in (*CATEGORIES, "total"):
+            p = res["predicted"][phase][cat] / MIB
+            m = res["measured"][phase][cat] / MIB
+            err = f"{100 * (p - m) / m:+.1f}%" if m > 0 else "-"
+            lines.append(f"{phase:<10} {cat:<17} {p:>10.2f} {m:>10.2f} {err:>8}")
+    peak_p = max(res["predicted"][p]["total"] for p in PHASES) / MIB
+    peak_m = max(res["measured"][p]["total"] for p in PHASES) / MIB
+    lines.append(
+        f"peak per rank: predicted {peak_p:.2f} MiB, measured {peak_m:.2f} MiB "
+        f"({100 * (peak_p - peak_m) / peak_m:+.1f}%); resident-set growth per rank: "
+        + ", ".join(f"{v:.0f} MiB" for v in res["rss_growth_mib"])
+    )
+    return "\n".join(lines)
+
+
+def check_json(res: dict[str, Any]) -> str:
+    return json.dumps(res, indent=2)
