@@ -273,3 +273,40 @@ def test_bad_input_catalog() -> None:
         assert "built before wrapping" in res["early_optimizer"], res
         assert res["empty_unit_ok"] and res["noncontig_ok"]
         assert res["step_before_backward_ok"] and res["zero_grad_modes_agree"]
+
+
+def _broadcast(rank: int, world: int) -> dict:
+    from fullshard import broadcast_from_rank0
+
+    torch.manual_seed(rank)  # every rank initialises differently
+    model = ToyLM()
+    broadcast_from_rank0(model)  # before wrapping: in place
+    shard_toy(model)
+    a = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    torch.manual_seed(0)
+    want = ToyLM().state_dict()
+    # meta-device init on every rank but 0, then broadcast of rank 0's full weights
+    if rank == 0:
+        torch.manual_seed(0)
+        source = ToyLM()
+        full = source.state_dict()
+        meta_model = shard_toy(source)
+    else:
+        full = None
+        with torch.device("meta"):
+            meta_model = shard_toy(ToyLM())
+        meta_model.to_empty(device="cpu")
+    broadcast_from_rank0(meta_model, full)
+    b = {k: v.full_tensor() for k, v in meta_model.state_dict().items()}
+    loss_of(meta_model, batches(1, world)[0][rank]).backward()  # and it trains
+    return {
+        "checksum": sum(float(v.double().sum()) for v in a.values()),
+        "unwrapped_equal": all(torch.equal(a[k], want[k]) for k in want),  # rank 0's seed-0 init
+        "meta_equal": all(torch.equal(b[k], want[k]) for k in want),
+    }
+
+
+def test_broadcast_from_rank0_before_wrapping_and_after_meta_init() -> None:
+    res = run_ranks(_broadcast, 3, timeout_s=90)
+    assert len({r["checksum"] for r in res}) == 1  # all ranks hold rank 0's weights
+    assert all(r["unwrapped_equal"] and r["meta_equal"] for r in res)

@@ -3,7 +3,7 @@
 Swap ``from torch.distributed.fsdp import fully_shard`` for ``from fullshard import fully_shard``.
 """
 
-from fullshard.checkpoint.state_dict import get_state_dict, set_state_dict
+from fullshard.checkpoint.state_dict import broadcast_from_rank0, get_state_dict, set_state_dict
 from fullshard.engine.api import FSDPModule, UnshardHandle, fully_shard
 from fullshard.engine.clip import clip_grad_norm_
 from fullshard.engine.grad_scaler import ShardedGradScaler
@@ -25,6 +25,7 @@ __all__ = [
     "ShardedGradScaler",
     "ShardingStrategy",
     "UnshardHandle",
+    "broadcast_from_rank0",
     "clip_grad_norm_",
     "fully_shard",
     "get_state_dict",

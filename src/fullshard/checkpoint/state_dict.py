@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -27,6 +28,7 @@ from fullshard.engine.param import ShardedParam
 from fullshard.engine.state_dict_hooks import contiguous_stride, to_local_shard
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError
+from fullshard.shard.layout import chunk_of
 
 _Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
@@ -196,3 +198,45 @@ def _matching_group(
         f"optimizer param group {gi} ({sorted(fqns)[:3]}...) has no match in the saved optimizer "
         "state; build the optimizer with the same parameter groups as the one that was saved."
     )
+
+
+def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, Any] | None = None) -> None:
+    """Make every rank's model equal rank 0's: parameters and buffers, sharded or not.
+
+    - Before ``fully_shard``: call ``broadcast_from_rank0(model)`` on every rank; each parameter
+      and buffer is broadcast in place (like DDP's ``sync_module_states``).
+    - After ``fully_shard``: rank 0 passes the full state dict it has (e.g. taken from the
+      unwrapped model, or loaded from a file); the other ranks pass ``None`` and may have built
+      the model on the meta device and called ``to_empty``. Every rank then keeps its own rows.
+
+    A collective: one broadcast per tensor.
+    """
+    rank = dist.get_rank()
+    managed: set[str] = set()
+    for prefix, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        unit = m._fullshard_state.unit
+        unit.refresh_shards()  # adopt tensors that to_empty() replaced
+        for sp in unit.params:
+            key = f"{prefix}.{sp.fqns[0]}" if prefix else sp.fqns[0]
+            managed.update(f"{prefix}.{f}" if prefix else f for f in sp.fqns)
+            if rank == 0:
+                if full_state_dict is None or key not in full_state_dict:
+                    raise FullshardError(
+                        f"broadcast_from_rank0: rank 0 needs the full state dict of a sharded "
+                        f"model, and it has no entry '{key}'."
+                    )
+                full = full_state_dict[key].detach().to(unit.mesh.device, sp.sharded.dtype)
+            else:
+                full = torch.empty(sp.shape, dtype=sp.sharded.dtype, device=unit.mesh.device)
+            dist.broadcast(full, src=0)
+            with torch.no_grad():
+                sp.sharded.copy_(chunk_of(full, unit.mesh.world_size, unit.mesh.rank))
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name in managed or t.is_meta:
+                continue
+            if rank == 0 and full_state_dict is not None and name in full_state_dict:
+                t.copy_(full_state_dict[name])
+            dist.broadcast(t.data, src=0)
