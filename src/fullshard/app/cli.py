@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from fullshard.app.config import (
     ConfigError,
@@ -133,10 +134,13 @@ def _train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     validate(cfg, world_size_from_env(cfg.nproc))
     if not under_torchrun():
+        if cfg.name is None:  # named here, so that restarted ranks find the same run folder
+            cfg.name = time.strftime("%Y%m%d-%H%M%S")
         # The ranks get the resolved config as explicit full-name flags, not our raw argv:
         # torchrun's own parser would otherwise claim abbreviations such as "--nproc"
         # (a prefix of its --nproc-per-node), and the ranks need no config file.
-        return launch_local(cfg.nproc, ["train", *to_flags(cfg, exclude=("nproc",))])
+        flags = to_flags(cfg, exclude=("nproc", "max_restarts"))
+        return launch_local(cfg.nproc, ["train", *flags], max_restarts=cfg.max_restarts)
     from fullshard.app.trainer import train
 
     train(cfg)

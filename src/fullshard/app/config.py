@@ -170,7 +170,20 @@ class TrainConfig:
         "resume with --resume latest (0: run to --max-steps)",
         group="checkpoints",
     )
+    on_nonfinite: str = _opt(
+        "skip",
+        "a non-finite loss or gradient on any rank: skip the optimizer step on every rank "
+        "(skip) or stop the run with an error (stop)",
+        group="optimisation",
+        choices=("skip", "stop"),
+    )
     # launch
+    max_restarts: int = _opt(
+        0,
+        "restart all ranks this many times after a failure (torch.distributed.run "
+        "--max-restarts); a restarted run resumes from its latest checkpoint",
+        group="launch",
+    )
     nproc: int = _opt(
         2,
         "local ranks to launch through torch.distributed.run (ignored under torchrun, which "
@@ -373,6 +386,7 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         "sample_tokens",
         "top_k",
         "shard_size",
+        "max_restarts",
         "save_every",
         "keep",
         "stop_after",

@@ -41,7 +41,7 @@ def world_size_from_env(default: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if under_torchrun() else default
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
+def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
     """Run ``fullshard <argv>`` on ``nproc`` local ranks through torch.distributed.run.
 
     Returns the launcher's exit status (non-zero when any rank failed; torchrun then stops the
@@ -60,6 +60,7 @@ def launch_local(nproc: int, argv: list[str]) -> int:
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
         "-m",
         "fullshard.app.cli",
         *argv,

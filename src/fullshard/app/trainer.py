@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from fullshard.app.data import (
     load_text,
     split_for_rank,
 )
+from fullshard.app.faults import NonFiniteError, agree_nonfinite, fault_from_env
 from fullshard.app.launch import DistInfo, init_distributed, world_size_from_env
 from fullshard.app.models import (
     build_model,
@@ -161,12 +163,18 @@ def _train(
     ckpt = TrainCheckpoints(
         box[0], model, opt, sched, sampler, keep=cfg.keep, async_save=cfg.async_save
     )
-    done = ckpt.resume(cfg.resume) if cfg.resume is not None else 0
+    resume = cfg.resume
+    if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        # restarted by torchrun after a failure: continue from the last complete checkpoint
+        resume = "latest" if ckpt.resolve("latest") is not None else None
+    done = ckpt.resume(resume) if resume is not None else 0
+    fault = fault_from_env()
+    skipped: list[int] = []
     if rank == 0:
         assert run_dir is not None
         log = MetricsLog(run_dir / "metrics.jsonl", append=done > 0)
         if done:
-            print(f"resumed from step {done} ({ckpt.resolve(cfg.resume or '')})", flush=True)
+            print(f"resumed from step {done} ({ckpt.resolve(resume or '')})", flush=True)
         print(
             f"fullshard train: {cfg.model} ({n_params / 1e6:.2f}M params), {world} ranks "
             f"({info.backend}), {cfg.strategy}, {len(tokens):,} tokens "
@@ -185,6 +193,7 @@ def _train(
     last_step, first_loss, last_loss, val_loss = done, float("nan"), float("nan"), None
     stopped, step = False, done
     for step in range(done + 1, cfg.max_steps + 1):
+        poison = fault.at_step(step, rank) if fault is not None else False
         step_loss = 0.0
         for k in range(cfg.grad_accum):
             # Reduce-scatter gradients only on the last micro-batch; earlier ones accumulate
@@ -192,26 +201,45 @@ def _train(
             set_gradient_sync(model, k == cfg.grad_accum - 1)
             x, y = sampler.next_batch()
             loss = _loss(model, x.to(device), y.to(device)) / cfg.grad_accum
+            if poison:
+                loss = loss * float("nan")
             (scaler.scale(loss) if scaler is not None else loss).backward()
             step_loss += float(loss.detach())
         if scaler is not None:
             scaler.unscale_(opt)
         grad_norm = clip_gradients(model.parameters(), cfg.clip)
+        bad = scaler is None and agree_nonfinite(step_loss, grad_norm, device)
+        if bad:
+            # every rank reached the same verdict: no rank's parameters change this step
+            skipped.append(step)
+            if cfg.on_nonfinite == "stop":
+                raise NonFiniteError(
+                    f"rank {rank}: step {step} produced a non-finite loss or gradient "
+                    f"(loss {step_loss}, gradient norm {grad_norm}); stopping (--on-nonfinite "
+                    "stop). Lower --lr, check the data, or use --on-nonfinite skip."
+                )
+            if log is not None:
+                log.write({"step": step, "skipped": "non-finite loss or gradient"})
+            if rank == 0:
+                print(
+                    f"step {step}: non-finite loss or gradient, optimizer step skipped", flush=True
+                )
+        lr = sched.get_last_lr()[0]
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
-        else:
+        elif not bad:
             opt.step()
         opt.zero_grad(set_to_none=True)
-        lr = sched.get_last_lr()[0]
-        sched.step()
-        losses.append(step_loss)
+        if not bad:  # a skipped step leaves the schedule where it was, too
+            sched.step()
+            losses.append(step_loss)
 
         if cfg.save_every > 0 and step % cfg.save_every == 0:
             ckpt.save(step)
         stopped = cfg.stop_after > 0 and step - done >= cfg.stop_after and step < cfg.max_steps
         is_eval = step == cfg.max_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
-        if not (step == 1 or step % cfg.log_every == 0 or is_eval or stopped):
+        if bad or not (step == 1 or step % cfg.log_every == 0 or is_eval or stopped):
             if bar is not None:
                 bar.update(1)
             continue
@@ -278,6 +306,7 @@ def _train(
         "steps": cfg.max_steps,
         "stopped_after": step if stopped else None,
         "resumed_from": done or None,
+        "skipped_nonfinite": skipped,
         "start_loss": first_loss,
         "end_loss": last_loss,
         "final_val_loss": val_loss,

@@ -1,0 +1,89 @@
+"""``fullshard train`` under faults: NaN on one rank, a rank killed mid-run with restarts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from test_app_cli import records
+
+ARGS = [
+    "--model", "tiny", "--seq-len", "64", "--batch-size", "16", "--warmup-steps", "2",
+    "--log-every", "1", "--eval-every", "0", "--sample-tokens", "0", "--nproc", "2",
+    "--timeout", "60", "--no-progress",
+]  # fmt: skip
+
+
+def _train(args: list[str], fault: str = "") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if fault:
+        env["FULLSHARD_FAULT"] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "fullshard.app.cli", "train", *ARGS, *args],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+
+
+def _weights(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fullshard.app.cli", "convert", str(ckpt), str(out)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return load_file(out)
+
+
+def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    proc = _train(
+        [
+            "--max-steps",
+            "4",
+            "--save-every",
+            "1",
+            "--keep",
+            "4",
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "n",
+        ],
+        fault="nan:rank=1:step=3",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "step 3: non-finite loss or gradient, optimizer step skipped" in proc.stdout
+    assert {"step": 3, "skipped": "non-finite loss or gradient"} in records(tmp_path / "n")
+    ckpts = tmp_path / "n" / "checkpoints"
+    w2 = _weights(ckpts / "step_00000002", tmp_path / "2.safetensors")
+    w3 = _weights(ckpts / "step_00000003", tmp_path / "3.safetensors")
+    w4 = _weights(ckpts / "step_00000004", tmp_path / "4.safetensors")
+    assert all(torch.equal(w2[k], w3[k]) for k in w2)  # step 3 changed nothing, on any rank
+    assert not all(torch.equal(w3[k], w4[k]) for k in w3)  # and training went on
+
+
+def test_nan_with_on_nonfinite_stop_fails_every_rank_with_the_step(tmp_path: Path) -> None:
+    proc = _train(
+        ["--max-steps", "4", "--on-nonfinite", "stop", "--runs-dir", str(tmp_path), "--name", "s"],
+        fault="nan:rank=1:step=3",
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.count("step 3 produced a non-finite loss") == 2  # both ranks say so
+
+
+def test_killed_rank_restarts_from_last_checkpoint_and_matches(tmp_path: Path) -> None:
+    common = ["--max-steps", "8", "--save-every", "2", "--runs-dir", str(tmp_path)]
+    assert _train([*common, "--name", "straight"]).returncode == 0
+    t0 = time.perf_counter()
+    proc = _train([*common, "--name", "crash", "--max-restarts", "2"], fault="kill:rank=1:step=5")
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert "[fault] rank 1 killed at step 5" in proc.stdout
+    assert "resumed from step 4" in proc.stdout
+    a = _weights(tmp_path / "straight" / "checkpoints", tmp_path / "a.safetensors")
+    b = _weights(tmp_path / "crash" / "checkpoints", tmp_path / "b.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same result as never crashing
+    assert elapsed < 240
