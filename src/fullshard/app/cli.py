@@ -80,6 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
     from fullshard.app.tracing import add_trace_arguments
 
     add_trace_arguments(trace)
+    bench = sub.add_parser(
+        "bench",
+        help="step time, tokens/s, memory and communication: fullshard strategies vs FSDP2, DDP",
+        description="Benchmark the same model, data and ranks under each fullshard strategy, "
+        "torch FSDP2, torch DDP and a single process: step time (median of alternating rounds), "
+        "tokens/s, peak memory per rank, communication per step in model units, exposed "
+        "communication. Writes bench.json, bench.md and bench.png.",
+        allow_abbrev=False,
+    )
+    from fullshard.app.bench import add_bench_arguments
+
+    add_bench_arguments(bench)
     return parser
 
 
@@ -194,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args, argv)
         if args.command == "trace":
             return _trace(args, argv)
+        if args.command == "bench":
+            from fullshard.app.bench import main_bench, run_bench_rank
+            from fullshard.app.launch import under_torchrun
+
+            return run_bench_rank(args) if under_torchrun() else main_bench(args)
     except (ConfigError, FullshardError) as exc:
         # One line on stderr and status 2 (argparse's convention for usage errors), on every rank.
         print(f"fullshard {args.command}: error: {exc}", file=sys.stderr)
