@@ -18,7 +18,13 @@ KINDS = {
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast",
+    "alltoall_base_": "all_to_all",
 }
+
+
+# What fullshard's reduce-scatter is at the c10d level on gloo: an all-to-all of the same bytes
+# followed by a local sum (NOTE [Reduce-scatter on gloo]).
+RS = "all_to_all"
 
 
 class C10dCounter(TorchDispatchMode):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from commcount import C10dCounter
+from commcount import RS, C10dCounter
 from harness import run_ranks
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -60,7 +60,7 @@ def _accumulate(rank: int, world: int, k: int, sync_every: bool = False) -> dict
         with C10dCounter() as c:
             loss_of(model, data[i][rank]).backward()
         if i < k - 1:
-            reduces_before_last.append(c.calls.get("reduce_scatter", 0))
+            reduces_before_last.append(c.calls.get(RS, 0))
     # reference: one big batch = all k x world micro-batches, summed, divided by world
     for i in range(k):
         for r in range(world):

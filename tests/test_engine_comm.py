@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from commcount import C10dCounter
+from commcount import RS, C10dCounter
 from harness import run_ranks
 from toy import ToyLM, batches, loss_of, shard_toy
 
@@ -47,15 +47,15 @@ def _count(rank: int, world: int, strategy: str) -> dict:
 def test_full_shard_moves_three_model_sizes(world: int) -> None:
     res = run_ranks(_count, world, "full_shard")[0]
     units = res["units"]
-    assert res["calls"] == {"all_gather": 2 * units, "reduce_scatter": units}
+    assert res["calls"] == {"all_gather": 2 * units, RS: units}
     # bytes: the exact padded model size (+ each rank's position tag per gather, NOTE
     # [Collective positions]); padding is small against the model
     tags = units * world * TAG_LEN * 4
     assert res["bytes"]["all_gather"] == 2 * (res["padded_bytes"] + tags)
     indicator = world * res["n_params"] * 4  # NOTE [Which gradients exist]: one column per param
-    assert res["bytes"]["reduce_scatter"] == res["padded_bytes"] + indicator
+    assert res["bytes"][RS] == res["padded_bytes"] + indicator
     # 3 units of the model, exactly, once padding (and the indicator columns) are taken out
-    moved = res["bytes"]["all_gather"] + res["bytes"]["reduce_scatter"] - indicator - 2 * tags
+    moved = res["bytes"]["all_gather"] + res["bytes"][RS] - indicator - 2 * tags
     assert moved == 3 * res["padded_bytes"]
     assert res["padded_bytes"] < 1.1 * res["true_bytes"]  # the toy's odd shapes pad by < 10%
 
@@ -63,10 +63,10 @@ def test_full_shard_moves_three_model_sizes(world: int) -> None:
 def test_shard_grad_op_moves_two_model_sizes() -> None:
     res = run_ranks(_count, 2, "shard_grad_op")[0]
     units = res["units"]
-    assert res["calls"] == {"all_gather": units, "reduce_scatter": units}
+    assert res["calls"] == {"all_gather": units, RS: units}
     indicator = 2 * res["n_params"] * 4
     tags = units * 2 * TAG_LEN * 4
-    moved = res["bytes"]["all_gather"] + res["bytes"]["reduce_scatter"] - indicator - tags
+    moved = res["bytes"]["all_gather"] + res["bytes"][RS] - indicator - tags
     assert moved == 2 * res["padded_bytes"]
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from commcount import C10dCounter
+from commcount import RS, C10dCounter
 from harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from toy import Block, ToyLM, batches, full_params, loss_of
@@ -106,11 +106,11 @@ def _comm(rank: int, world: int, strategy: str) -> dict:
 def test_collectives_per_strategy() -> None:
     units = 5  # 4 blocks + root
     expect_calls = {
-        "full_shard": {"all_gather": 9, "reduce_scatter": units},  # root kept after forward
-        "shard_grad_op": {"all_gather": units, "reduce_scatter": units},
+        "full_shard": {"all_gather": 9, RS: units},  # root kept after forward
+        "shard_grad_op": {"all_gather": units, RS: units},
         "no_shard": {"all_reduce": units},
-        "hybrid_shard": {"all_gather": 9, "reduce_scatter": units, "all_reduce": units},
-        "hybrid_shard_zero2": {"all_gather": units, "reduce_scatter": units, "all_reduce": units},
+        "hybrid_shard": {"all_gather": 9, RS: units, "all_reduce": units},
+        "hybrid_shard_zero2": {"all_gather": units, RS: units, "all_reduce": units},
     }
     for strategy, calls in expect_calls.items():
         res = run_ranks(_comm, 4, strategy)[0]

@@ -80,6 +80,8 @@ C10D_KINDS = {
     "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    # fullshard's reduce-scatter on gloo (NOTE [Reduce-scatter on gloo]): same bytes
+    "alltoall_base_": "all_to_all",
     "allreduce_": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast",

@@ -24,7 +24,13 @@ from typing import Any
 __all__ = ["markdown_table", "summarize", "write_report"]
 
 MIB = 2**20
-KIND_ABBREV = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC"}
+KIND_ABBREV = {
+    "all_gather": "AG",
+    "reduce_scatter": "RS",
+    "all_to_all": "A2A",  # fullshard's reduce-scatter on gloo: all-to-all + local sum
+    "all_reduce": "AR",
+    "broadcast": "BC",
+}
 
 
 def _max_or_none(values: list[Any]) -> Any:
