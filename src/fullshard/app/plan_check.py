@@ -55,6 +55,7 @@ def _check(args: argparse.Namespace, rank: int, world: int, device: torch.device
         strategy=args.strategy,
         hybrid_group=args.hybrid_group,
         precision="fp32",
+        backend="gloo",
         batch=args.batch,
         seq=args.seq or 128,
     )

@@ -127,6 +127,8 @@ class Pending:
         # work to do once the collective has landed (e.g. the local sum of NOTE [Reduce-scatter
         # on gloo]); it runs inside wait(), so a result is never read before it is complete
         self.then: Callable[[], None] | None = None
+        # buffers the collective owns until it is waited for (for memory accounting)
+        self.buffers: list[torch.Tensor] = []
 
     def wait(self) -> None:
         if self._work is None:
@@ -136,6 +138,7 @@ class Pending:
         if self.then is not None:
             then, self.then = self.then, None
             then()
+        self.buffers = []
 
     def _wait(self, work: dist.Work) -> None:
         timeline = self._stats.timeline if self._stats is not None else None
@@ -275,6 +278,7 @@ def reduce_scatter(
             position=None,
         )
         pending.then = local_sum
+        pending.buffers.append(recv)
         return pending
     return _issue(
         "reduce_scatter",

@@ -82,7 +82,8 @@ class MemoryTracker:
                 out = u.gather_in_flight[1]
                 comm += out.numel() * out.element_size()
             if u.reduce_in_flight is not None:
-                comm += _unique_bytes([u.reduce_in_flight.full, u.reduce_in_flight.out])
+                inflight = u.reduce_in_flight
+                comm += _unique_bytes([inflight.full, inflight.out, *inflight.pending.buffers])
         opt_state = 0
         if self._optimizer is not None:
             opt_state = _unique_bytes(

@@ -101,6 +101,9 @@ class PlanConfig:
     device_memory: float | None = None
     reserve: float = 0.1
     devices_per_node: int = 8
+    # gloo's reduce-scatter is an all-to-all into a receive buffer plus a local sum (NOTE
+    # [Reduce-scatter on gloo]): one more unit-sized buffer while it is in flight
+    backend: str = "nccl"
 
     def shard_group(self, world_size: int) -> int:
         """Ranks one parameter is split over under this strategy."""
@@ -343,7 +346,8 @@ def build_plan(
         return 0.0 if n == 1 or u.direct else n * u.shard_numel * cb
 
     def rs_buffers(u: UnitCost) -> float:
-        return 0.0 if n == 1 else (n + 1) * u.grad_shard_numel * rb
+        recv = n if config.backend == "gloo" else 0
+        return 0.0 if n == 1 else (n + 1 + recv) * u.grad_shard_numel * rb
 
     def grad_shard(u: UnitCost) -> float:
         return 0.0 if host else u.grad_shard_numel * MASTER_BYTES

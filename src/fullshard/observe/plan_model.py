@@ -546,6 +546,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                       help="recompute each unit's activations in backward")  # fmt: skip
     run_.add_argument("--offload", action="store_true",
                       help="keep shards, gradients and the optimizer step on the CPU")  # fmt: skip
+    run_.add_argument(
+        "--backend",
+        default="nccl",
+        choices=("nccl", "gloo"),
+        help="collective backend: gloo's reduce-scatter needs one more buffer (default nccl)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -568,6 +574,7 @@ def run(args: argparse.Namespace) -> str:
         device_memory=args.device_memory * GB,
         reserve=args.reserve,
         devices_per_node=args.devices_per_node,
+        backend=args.backend,
     )
     plan = make_plan(
         args.devices,
