@@ -60,7 +60,12 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ns = sorted(planned)
     ax.plot(ns, [state[n] for n in ns], "k--", label="16·Ψ/N (model state, sharded)")
-    ax.plot(ns, [state[n] + window_act[n] for n in ns], "k:", label="16·Ψ/N + window + activations (not all at their peaks at once)")
+    ax.plot(
+        ns,
+        [state[n] + window_act[n] for n in ns],
+        "k:",
+        label="16·Ψ/N + window + activations (not all at their peaks at once)",
+    )
     ax.plot(ns, [planned[n] for n in ns], "o-", color="#1e88e5", label="fullshard plan (peak)")
     ax.plot(sorted(measured), [measured[n] for n in sorted(measured)], "s", color="#e53935",
             markersize=9, label="measured peak (live tensors)")  # fmt: skip

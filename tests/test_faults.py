@@ -310,3 +310,32 @@ def test_broadcast_from_rank0_before_wrapping_and_after_meta_init() -> None:
     res = run_ranks(_broadcast, 3, timeout_s=90)
     assert len({r["checksum"] for r in res}) == 1  # all ranks hold rank 0's weights
     assert all(r["unwrapped_equal"] and r["meta_equal"] for r in res)
+
+
+def _mispaired_reduce(rank: int, world: int) -> dict:
+    from datetime import timedelta
+
+    from fullshard.dist.collectives import CommStats, reduce_scatter
+    from fullshard.dist.desync import TAG_LEN, make_tag, unit_code
+
+    # two ranks reduce-scatter different units of the same size (e.g. a backward that finished
+    # units in another order): the tags in every block expose it before the sum is used
+    stats = CommStats()
+    stats.names = {unit_code(u): u for u in ("blocks.1", "blocks.2")}  # as the schedule does
+    pos = stats.next_position(
+        "reduce_scatter", "blocks.1" if rank == 0 else "blocks.2", "reduce-scatter"
+    )
+    tag = make_tag(pos)
+    full = torch.cat([torch.randn(world, 6, dtype=torch.float64), tag.expand(world, TAG_LEN)], 1)
+    out = torch.empty(6 + TAG_LEN, dtype=torch.float64)
+    group = torch.distributed.group.WORLD
+    pending = reduce_scatter(out, full, group, stats=stats, what="reduce-scatter of test",
+                             unit=pos.unit, timeout=timedelta(seconds=30), position=pos, tag=tag)  # fmt: skip
+    return _catch(pending.wait)
+
+
+def test_mispaired_reduce_scatters_are_caught_by_their_tags() -> None:
+    for res in run_ranks(_mispaired_reduce, 2, timeout_s=60):
+        assert res["type"] == "DesyncError", res
+        assert "different reduce-scatters" in res["error"], res
+        assert "unit 'blocks.1'" in res["error"] and "unit 'blocks.2'" in res["error"], res

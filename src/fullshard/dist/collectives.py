@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fullshard.dist.desync import (
     DesyncError,
     Position,
+    check_tags,
     debug_enabled,
     explain_failure,
     fingerprint_check,
@@ -244,8 +245,14 @@ def reduce_scatter(
     what: str,
     unit: str,
     timeout: timedelta,
+    position: Position | None = None,
+    tag: torch.Tensor | None = None,
 ) -> Pending:
     """Start a summing reduce-scatter of ``full`` (rank-major blocks) into ``out``, async.
+
+    With ``tag`` (the last ``len(tag)`` columns of every block of ``full``), the ranks' tags are
+    compared before the sum is used (NOTE [Collective positions]): exactly, row by row, on gloo;
+    as a sum (``world * tag``) where the backend sums them.
 
     SUM, not AVG: gloo has no AVG, and summing then dividing by the world size on our side makes
     the 2-rank float32 result bitwise equal to a single process's ``(g0 + g1) / 2``.
@@ -262,7 +269,10 @@ def reduce_scatter(
         recv = torch.empty_like(full.view(-1))
 
         def local_sum() -> None:
-            torch.sum(recv.view(world, -1), dim=0, out=out)
+            rows = recv.view(world, -1)
+            if tag is not None and position is not None:
+                check_tags(rows[:, -tag.numel() :], tag.double(), position, stats.names, group)
+            torch.sum(rows, dim=0, out=out)
 
         pending = _issue(
             "reduce_scatter",
@@ -275,12 +285,12 @@ def reduce_scatter(
             timeout=timeout,
             group=group,
             phase="reduce-scatter",
-            position=None,
+            position=position,
         )
         pending.then = local_sum
         pending.buffers.append(recv)
         return pending
-    return _issue(
+    pending = _issue(
         "reduce_scatter",
         lambda: _reduce_scatter_single(
             out, full.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
@@ -293,8 +303,21 @@ def reduce_scatter(
         timeout=timeout,
         group=group,
         phase="reduce-scatter",
-        position=None,
+        position=position,
     )
+    if tag is not None and position is not None:
+        world = dist.get_world_size(group)
+
+        def check_sum() -> None:
+            got = out[-tag.numel() :].double().cpu()
+            if not torch.equal(got, world * tag.double().cpu()):
+                raise DesyncError(
+                    f"rank {dist.get_rank()}: ranks paired different reduce-scatters; this rank "
+                    f"was at {position}. The ranks ran different backward sequences."
+                )
+
+        pending.then = check_sum
+    return pending
 
 
 def all_reduce(

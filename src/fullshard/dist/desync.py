@@ -101,7 +101,7 @@ def check_tags(
     lines = []
     for r, row in zip(ranks, tags.tolist(), strict=True):
         if row[0] != TAG_MAGIC:
-            lines.append(f"rank {r}: not a fullshard all-gather of this size (foreign collective)")
+            lines.append(f"rank {r}: not a fullshard collective of this size (foreign collective)")
             continue
         unit = names.get(int(row[1]), f"#{int(row[1])}")
         phase = PHASES[int(row[3])] if 0 <= int(row[3]) < len(PHASES) else "?"
@@ -109,7 +109,7 @@ def check_tags(
             f"rank {r}: {phase} of unit '{unit}', collective #{int(row[2])} (mod {TAG_MOD})"
         )
     raise DesyncError(
-        f"rank {dist.get_rank()}: ranks paired different all-gathers ({'; '.join(lines)}); this "
+        f"rank {dist.get_rank()}: ranks paired different {pos.kind.replace('_', '-')}s ({'; '.join(lines)}); this "
         f"rank was at {pos}. The ranks ran different forward/backward sequences (a skipped or "
         "extra forward, another branch, a different number of micro-batches); no result of this "
         "collective was used."

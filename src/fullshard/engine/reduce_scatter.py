@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fullshard.dist.collectives import Pending, all_reduce, reduce_scatter
+from fullshard.dist.desync import make_tag
 from fullshard.engine.unit import CommUnit
 
 
@@ -44,9 +45,15 @@ def start_reduce_scatter(unit: CommUnit) -> None:
         grads.append(p.unsharded.grad)
     dtype, device = unit.reduce_dtype, unit.mesh.device
     present = torch.tensor([[g is not None for g in grads]], dtype=dtype, device=device)
-    full = unit.grad_layout.pack_for_reduce(
-        grads, dtype=dtype, device=device, extra=present.expand(world, -1)
-    )
+    extra = present.expand(world, -1)
+    position, tag = None, None
+    if world > 1:
+        # NOTE [Collective positions]: every rank's block carries this rank's tag too, so a
+        # reduce-scatter paired with another unit's is caught before its sum is used
+        position = unit.stats.next_position("reduce_scatter", unit.name, "reduce-scatter")
+        tag = make_tag(position).to(dtype)
+        extra = torch.cat([extra, tag.to(device).expand(world, -1)], dim=1)
+    full = unit.grad_layout.pack_for_reduce(grads, dtype=dtype, device=device, extra=extra)
     for p in unit.trainable:
         assert p.unsharded is not None
         p.unsharded.grad = None  # the packed copy is all we need: free the full gradients now
@@ -63,6 +70,8 @@ def start_reduce_scatter(unit: CommUnit) -> None:
             what=f"reduce-scatter of unit '{unit.name}'",
             unit=unit.name,
             timeout=unit.mesh.timeout,
+            position=position,
+            tag=tag,
         )
     unit.reduce_in_flight = ReduceInFlight(pending, out, full)
     if unit.mesh.replicate_group is not None:
@@ -92,7 +101,8 @@ def finish_reduce_scatter(unit: CommUnit) -> None:
     layout, rank = unit.grad_layout, unit.mesh.rank
     out = inflight.out.to(unit.shard_device)  # offload: grads live on CPU (blocking: read next)
     shard = out[: layout.shard_numel]
-    counts = out[layout.shard_numel :].tolist()  # NOTE [Which gradients exist]
+    k = len(unit.trainable)
+    counts = out[layout.shard_numel : layout.shard_numel + k].tolist()  # [Which gradients exist]
     shard.div_(unit.mesh.data_parallel_size)
     for j, p in enumerate(unit.trainable):
         if counts[j] == 0:
