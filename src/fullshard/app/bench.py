@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fullshard.app.launch import init_distributed, under_torchrun
+from fullshard.app.launch import init_distributed, leave_together, under_torchrun
 
 __all__ = [
     "FULLSHARD_VARIANTS",
@@ -447,12 +447,8 @@ def run_bench_rank(args: argparse.Namespace) -> int:
             raw = _memory_one(args, rank, world, device)
         else:
             raw = _time_all(args, rank, world, device)
-        # Destroy the variants now, while the process group is alive: wrapped modules sit in
-        # reference cycles, and left to interpreter shutdown their process-group handles are
-        # torn down after it, which aborts gloo's worker threads ("terminate called without
-        # an active exception", seen at random under load).
-        gc.collect()
-        dist.barrier()  # leave together: no rank tears down while a peer still talks to it
+        # Destroy the variants now, while the process group is alive (NOTE [Leaving together])
+        leave_together()
     finally:
         dist.destroy_process_group()
     if rank == 0:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fullshard.app.launch import init_distributed
+from fullshard.app.launch import rank_session
 from fullshard.app.models import build_model, unit_types_of
 from fullshard.app.wrap import shard_model
 from fullshard.observe.memory import CATEGORIES, PHASES, MemoryTracker
@@ -40,13 +40,8 @@ def _rss_mib() -> float:
 
 def check_rank(args: argparse.Namespace) -> dict[str, Any]:
     """One rank of the check (under torchrun); returns predicted and measured figures."""
-    info = init_distributed("auto", 300.0)
-    try:
-        out = _check(args, info.rank, info.world_size, info.device)
-        dist.barrier()  # leave together (see the trainer)
-        return out
-    finally:
-        dist.destroy_process_group()
+    with rank_session("auto", 300.0) as info:
+        return _check(args, info.rank, info.world_size, info.device)
 
 
 def _check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fullshard.app.config import STRATEGIES
-from fullshard.app.launch import init_distributed
+from fullshard.app.launch import rank_session
 from fullshard.app.models import build_model, count_params, unit_types_of
 from fullshard.app.wrap import shard_model
 from fullshard.observe.memory import MemoryTracker
@@ -70,13 +70,8 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -
 
 def run_trace(args: argparse.Namespace) -> dict[str, Any]:
     """One rank's part of ``fullshard trace`` (under torchrun); returns the summary."""
-    info = init_distributed("auto", args.timeout)
-    try:
-        summary = _trace(args, info.rank, info.world_size, info.device)
-        dist.barrier()  # leave together (see the trainer)
-        return summary
-    finally:
-        dist.destroy_process_group()
+    with rank_session("auto", args.timeout) as info:
+        return _trace(args, info.rank, info.world_size, info.device)
 
 
 def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict[str, Any]:

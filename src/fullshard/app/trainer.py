@@ -30,7 +30,7 @@ from fullshard.app.data import (
     split_for_rank,
 )
 from fullshard.app.faults import NonFiniteError, agree_nonfinite, fault_from_env
-from fullshard.app.launch import DistInfo, init_distributed, world_size_from_env
+from fullshard.app.launch import DistInfo, rank_session, world_size_from_env
 from fullshard.app.models import (
     build_model,
     count_params,
@@ -101,15 +101,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     validate(cfg, world_size_from_env(cfg.nproc))
     tokenizer = build_tokenizer(cfg.tokenizer)
     tokens = encode_corpus(load_text(cfg.data), tokenizer)
-    info = init_distributed(cfg.device, cfg.timeout)
-    try:
-        summary = _train(cfg, info, tokenizer, tokens)
-        # Leave together: a rank that tears down its gloo connections while a peer is still
-        # writing plots and files can abort on its way out.
-        dist.barrier()
-        return summary
-    finally:
-        dist.destroy_process_group()
+    with rank_session(cfg.device, cfg.timeout) as info:
+        return _train(cfg, info, tokenizer, tokens)
 
 
 def _train(

@@ -264,9 +264,13 @@ def reduce_scatter(
     (``all_to_all_single``, exactly the bytes a reduce-scatter moves) and sums them locally, in
     rank order, when the collective is waited for. NCCL keeps its reduce-scatter.
     """
+    world = dist.get_world_size(group)
+    buffers: list[torch.Tensor] = []
+    work_fn: Callable[[], dist.Work | None]
+    then: Callable[[], None] | None
     if dist.get_backend(group) == "gloo":
-        world = dist.get_world_size(group)
         recv = torch.empty_like(full.view(-1))
+        buffers.append(recv)
 
         def local_sum() -> None:
             rows = recv.view(world, -1)
@@ -274,27 +278,26 @@ def reduce_scatter(
                 check_tags(rows[:, -tag.numel() :], tag.double(), position, stats.names, group)
             torch.sum(rows, dim=0, out=out)
 
-        pending = _issue(
-            "reduce_scatter",
-            lambda: dist.all_to_all_single(recv, full.view(-1), group=group, async_op=True),
-            full,
-            full.numel() * full.element_size(),
-            stats=stats,
-            what=what,
-            unit=unit,
-            timeout=timeout,
-            group=group,
-            phase="reduce-scatter",
-            position=position,
+        work_fn = lambda: dist.all_to_all_single(recv, full.view(-1), group=group, async_op=True)  # noqa: E731
+        then = local_sum
+    else:
+
+        def check_sum() -> None:
+            if tag is None:
+                return
+            if not torch.equal(out[-tag.numel() :].double().cpu(), world * tag.double().cpu()):
+                raise DesyncError(
+                    f"rank {dist.get_rank()}: ranks paired different reduce-scatters; this rank "
+                    f"was at {position}. The ranks ran different backward sequences."
+                )
+
+        work_fn = lambda: _reduce_scatter_single(  # noqa: E731
+            out, full.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
         )
-        pending.then = local_sum
-        pending.buffers.append(recv)
-        return pending
+        then = check_sum
     pending = _issue(
         "reduce_scatter",
-        lambda: _reduce_scatter_single(
-            out, full.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
-        ),
+        work_fn,
         full,
         full.numel() * full.element_size(),
         stats=stats,
@@ -305,18 +308,8 @@ def reduce_scatter(
         phase="reduce-scatter",
         position=position,
     )
-    if tag is not None and position is not None:
-        world = dist.get_world_size(group)
-
-        def check_sum() -> None:
-            got = out[-tag.numel() :].double().cpu()
-            if not torch.equal(got, world * tag.double().cpu()):
-                raise DesyncError(
-                    f"rank {dist.get_rank()}: ranks paired different reduce-scatters; this rank "
-                    f"was at {position}. The ranks ran different backward sequences."
-                )
-
-        pending.then = check_sum
+    pending.then = then
+    pending.buffers.extend(buffers)
     return pending
 
 
