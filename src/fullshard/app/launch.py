@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 __all__ = [
     "DistInfo",
@@ -96,8 +97,19 @@ def init_distributed(device_pref: str, timeout_s: float) -> DistInfo:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))
+        # A restarted attempt (torchrun --max-restarts) may reach a store that still holds the
+        # previous attempt's keys; gloo then dialled the dead ranks' addresses (seen as
+        # "connection refused", and as a hang when another process had taken the port). Keys of
+        # our own, per attempt, cannot be stale.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            backend=backend,
+            store=dist.PrefixStore(f"fullshard/attempt_{attempt}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
         )
     return DistInfo(rank, world_size, local_rank, device, backend)
 
