@@ -30,9 +30,7 @@ import argparse
 import gc
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +45,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fullshard.app.launch import init_distributed, leave_together, under_torchrun
+from fullshard.app.launch import (
+    init_distributed,
+    launch_local,
+    leave_together,
+    under_torchrun,
+)
 
 __all__ = [
     "FULLSHARD_VARIANTS",
@@ -474,6 +477,11 @@ def _rank_flags(args: argparse.Namespace, variants: list[str]) -> list[str]:
     return [*flags, "--pin-cores"] if args.pin_cores else flags
 
 
+def _launch(nproc: int, argv: list[str], env: dict[str, str], timeout: float) -> int:
+    """``python -m fullshard.app.bench <argv>`` on ``nproc`` ranks, within ``timeout`` seconds."""
+    return launch_local(nproc, argv, module="fullshard.app.bench", env=env, timeout_s=timeout)
+
+
 def _rank_env(memory: bool) -> dict[str, str]:
     """The ranks' environment. Memory launches get ``MALLOC_MMAP_THRESHOLD_`` (glibc reads it at
     start-up, so only a new process can have it); timing launches keep the default allocator,
@@ -484,32 +492,6 @@ def _rank_env(memory: bool) -> dict[str, str]:
     if memory:
         env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
     return env
-
-
-def _launch(nproc: int, argv: list[str], env: dict[str, str], timeout: float) -> int:
-    """``python -m fullshard.app.bench <argv>`` on ``nproc`` ranks through torch.distributed.run.
-
-    Like :func:`fullshard.app.launch.launch_local`, plus a wall-clock limit: the launcher runs in
-    its own session so that on timeout it and its ranks are ended together.
-    """
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "fullshard.app.bench",
-        *argv,
-    ]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        print(f"fullshard bench: launch timed out after {timeout:.0f} s: {argv}", file=sys.stderr)
-        return 124
 
 
 def _config(args: argparse.Namespace, world: int, variants: list[str]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -53,17 +54,26 @@ def world_size_from_env(default: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if under_torchrun() else default
 
 
-def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
-    """Run ``fullshard <argv>`` on ``nproc`` local ranks through torch.distributed.run.
+def launch_local(
+    nproc: int,
+    argv: list[str],
+    *,
+    max_restarts: int = 0,
+    module: str = "fullshard.app.cli",
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+) -> int:
+    """Run ``python -m <module> <argv>`` on ``nproc`` local ranks through torch.distributed.run.
 
     Returns the launcher's exit status (non-zero when any rank failed; torchrun then stops the
-    others rather than letting them wait for a dead peer).
+    others rather than letting them wait for a dead peer). With ``timeout_s`` the launcher runs
+    in its own session, and on timeout it and its ranks are ended together (status 124).
     """
-    env = dict(os.environ)
+    env = dict(os.environ if env is None else env)
     # Local CPU runs talk over loopback; without this gloo may pick an interface that does not
     # route to itself (containers, VPNs).
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # Set it ourselves so torchrun does not print its OMP_NUM_THREADS warning; the trainer sets
+    # Set it ourselves so torchrun does not print its OMP_NUM_THREADS warning; the drivers set
     # torch's thread count from --threads anyway.
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [
@@ -74,10 +84,17 @@ def launch_local(nproc: int, argv: list[str], *, max_restarts: int = 0) -> int:
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "-m",
-        "fullshard.app.cli",
+        module,
         *argv,
     ]
-    return subprocess.run(cmd, env=env, check=False).returncode
+    proc = subprocess.Popen(cmd, env=env, start_new_session=timeout_s is not None)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"fullshard: launch timed out after {timeout_s:.0f} s: {argv}", file=sys.stderr)
+        return 124
 
 
 def init_distributed(device_pref: str, timeout_s: float) -> DistInfo:
