@@ -5,8 +5,7 @@ Swap ``from torch.distributed.fsdp import fully_shard`` for ``from fullshard imp
 
 from fullshard.checkpoint.state_dict import broadcast_from_rank0, get_state_dict, set_state_dict
 from fullshard.engine.api import FSDPModule, UnshardHandle, fully_shard
-from fullshard.engine.clip import clip_grad_norm_
-from fullshard.engine.grad_scaler import ShardedGradScaler
+from fullshard.engine.gradients import ShardedGradScaler, clip_grad_norm_
 from fullshard.engine.parallelize import parallelize
 from fullshard.policies import (
     CPUOffloadPolicy,

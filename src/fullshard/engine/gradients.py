@@ -1,15 +1,24 @@
-"""Gradient clipping over sharded gradients (layer 8): the norm of the *unsharded* model.
+"""Gradients over shards (layer 8): global-norm clipping and the fp16 gradient scaler.
 
-Each rank holds a disjoint slice of every sharded gradient, so the global ``p``-norm is the
-``p``-th root of the all-reduced sum of local ``|g|^p`` (a max for the inf-norm). Gradients of
-parameters fullshard does not manage are replicated: they are added once, after the reduce, so
-they are not counted ``world`` times. Every rank ends with the same norm and the same scale.
+Each rank holds a disjoint slice of every sharded gradient, so anything that looks at "the
+gradient" as a whole (its norm, whether it has an inf/NaN) must combine the ranks' views with
+one small collective, and every rank must reach the same answer.
+
+Clipping: the global ``p``-norm is the ``p``-th root of the all-reduced sum of local ``|g|^p``
+(a max for the inf-norm). Gradients of parameters fullshard does not manage are replicated: they
+are added once, after the reduce, so they are not counted ``world`` times.
+
+Scaling: ``torch.amp.GradScaler`` checks this rank's gradients for inf/NaN. With sharded
+gradients one rank could skip the step while the others take it, and the shards would silently
+diverge; ``ShardedGradScaler`` all-reduces the finding (MAX) so every rank makes the same
+decision: all step, or all skip and lower the scale.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,3 +94,37 @@ def clip_grad_norm_(
     return norm.to(
         with_grad[0].grad.dtype if with_grad and with_grad[0].grad is not None else torch.float32
     )
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose inf/NaN decision is the same on every rank."""
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(device, **kwargs)
+        self.process_group = process_group
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if not self._enabled:
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        found: dict[torch.device, torch.Tensor] = state["found_inf_per_device"]
+        if not found:  # a rank whose shards are all empty still takes part in the decision
+            assert self._scale is not None
+            found[self._scale.device] = torch.zeros(1, device=self._scale.device)
+        total = torch.stack([v.reshape(()).float() for v in found.values()]).max().reshape(1)
+        all_reduce(
+            total,
+            self.process_group,
+            op=dist.ReduceOp.MAX,
+            what="ShardedGradScaler inf/NaN all-reduce",
+            timeout=default_timeout(),
+        ).wait()
+        for v in found.values():
+            v.copy_(total.to(v.device).reshape(v.shape))
