@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterable
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -254,11 +252,3 @@ def fully_shard(
     module._fullshard_state = state  # type: ignore[assignment]
     module.__class__ = _fsdp_class(type(module))  # type: ignore[arg-type]
     return module
-
-
-def sharded_parameters(module: nn.Module) -> Iterable[torch.Tensor]:
-    """All sharded parameters under ``module`` (whatever is currently exposed)."""
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            for p in m._fullshard_state.unit.params:
-                yield p.sharded

@@ -14,12 +14,6 @@ from fullshard.dist.desync import check_tags, make_tag
 from fullshard.engine.unit import CommUnit, UnitState
 
 
-def _direct(unit: CommUnit) -> bool:
-    """With one parameter (and no tag tail) the rank-major and parameter-major layouts
-    coincide: no copy-out."""
-    return len(unit.layout.slots) == 1 and unit.layout.tail == 0
-
-
 def _phase(why: str) -> str:
     if why.startswith("forward"):
         return "forward gather"
@@ -53,11 +47,9 @@ def start_gather(unit: CommUnit, why: str = "gather") -> None:
         unit.gather_in_flight = (Pending(None, "", unit.mesh.timeout), unit.storage.flat, None)
         unit.state = UnitState.GATHERING
         return
-    if _direct(unit):
-        unit.storage.alloc()
-        out = unit.storage.flat
-    else:
-        out = torch.empty(unit.layout.total_numel, dtype=unit.compute_dtype, device=send.device)
+    # With several ranks every shard ends in the position tags, so the rank-major output never
+    # coincides with the parameter-major storage: gather into a buffer, then copy out.
+    out = torch.empty(unit.layout.total_numel, dtype=unit.compute_dtype, device=send.device)
     pending = all_gather(
         out,
         send,
@@ -82,7 +74,7 @@ def finish_gather(unit: CommUnit, why: str = "gather") -> None:
     pending, out, tag = unit.gather_in_flight
     unit.gather_in_flight = None
     pending.wait()
-    if not (_direct(unit) or unit.mesh.world_size == 1):
+    if unit.mesh.world_size > 1:
         unit.storage.alloc()
         tails = None
         if tag is not None:

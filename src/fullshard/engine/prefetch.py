@@ -41,7 +41,6 @@ class Prefetcher:
         self.last_forward_order: list[CommUnit] = []
         self.explicit_forward: dict[CommUnit, list[CommUnit]] = {}
         self.explicit_backward: dict[CommUnit, list[CommUnit]] = {}
-        self.prefetched_unused: set[CommUnit] = set()
 
     # -- recording ------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -52,7 +51,6 @@ class Prefetcher:
 
     def record_pre_forward(self, unit: CommUnit) -> None:
         self.pre_forward_order.append(unit)
-        self.prefetched_unused.discard(unit)
 
     def record_post_forward(self, unit: CommUnit) -> None:
         self.post_forward_order.append(unit)

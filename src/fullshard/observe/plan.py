@@ -140,7 +140,6 @@ class UnitCost:
     act_bytes: float = 0.0
     input_bytes: float = 0.0
     is_root: bool = False
-    direct: bool = False  # one parameter: the all-gather lands in the gathered storage itself
 
 
 @dataclass(frozen=True)
@@ -343,7 +342,7 @@ def build_plan(
         return 0.0 if aliased else n * u.shard_numel * cb
 
     def ag_buffer(u: UnitCost) -> float:
-        return 0.0 if n == 1 or u.direct else n * u.shard_numel * cb
+        return 0.0 if n == 1 else n * u.shard_numel * cb
 
     def rs_buffers(u: UnitCost) -> float:
         recv = n if config.backend == "gloo" else 0

@@ -130,7 +130,6 @@ def model_units(
                 act_bytes=act,
                 input_bytes=inp,
                 is_root=is_root,
-                direct=len(shapes) == 1 and layout.tail == 0,
             )
         )
     # (a root without parameters of its own stays as an empty unit: its activations count)
