@@ -9,7 +9,7 @@ from harness import run_ranks
 from toy import ToyLM, batches, loss_of, shard_toy
 
 from fullshard import FSDPModule
-from fullshard.dist.desync import TAG_LEN
+from fullshard.dist.desync import TAG_BITS, TAG_LEN
 
 
 def _padded_numel(shapes: list[torch.Size], world: int) -> int:
@@ -53,9 +53,10 @@ def test_full_shard_moves_three_model_sizes(world: int) -> None:
     tags = units * world * TAG_LEN * 4
     assert res["bytes"]["all_gather"] == 2 * (res["padded_bytes"] + tags)
     indicator = world * res["n_params"] * 4  # NOTE [Which gradients exist]: one column per param
-    assert res["bytes"][RS] == res["padded_bytes"] + indicator + tags  # tags in every RS too
+    bits = units * world * TAG_BITS * 4  # the same tag as bits in every RS block
+    assert res["bytes"][RS] == res["padded_bytes"] + indicator + bits
     # 3 units of the model, exactly, once padding, indicator columns and tags are taken out
-    moved = res["bytes"]["all_gather"] + res["bytes"][RS] - indicator - 3 * tags
+    moved = res["bytes"]["all_gather"] + res["bytes"][RS] - indicator - 2 * tags - bits
     assert moved == 3 * res["padded_bytes"]
     assert res["padded_bytes"] < 1.1 * res["true_bytes"]  # the toy's odd shapes pad by < 10%
 
@@ -65,8 +66,8 @@ def test_shard_grad_op_moves_two_model_sizes() -> None:
     units = res["units"]
     assert res["calls"] == {"all_gather": units, RS: units}
     indicator = 2 * res["n_params"] * 4
-    tags = units * 2 * TAG_LEN * 4
-    moved = res["bytes"]["all_gather"] + res["bytes"][RS] - indicator - 2 * tags
+    tags = units * 2 * (TAG_LEN + TAG_BITS) * 4
+    moved = res["bytes"]["all_gather"] + res["bytes"][RS] - indicator - tags
     assert moved == 2 * res["padded_bytes"]
 
 

@@ -312,30 +312,168 @@ def test_broadcast_from_rank0_before_wrapping_and_after_meta_init() -> None:
     assert all(r["unwrapped_equal"] and r["meta_equal"] for r in res)
 
 
-def _mispaired_reduce(rank: int, world: int) -> dict:
+def _tagged_reduce(rank: int, world: int, how: str, dtype: torch.dtype, sums: bool) -> dict:
+    """One reduce-scatter block per rank carrying the engine's extra columns (presence bits,
+    tag bits), checked as the engine checks it: every rank's rows before the sum (gloo), or
+    the summed columns (NCCL's path, here through gloo's own reduce-scatter)."""
     from datetime import timedelta
 
-    from fullshard.dist.collectives import CommStats, reduce_scatter
-    from fullshard.dist.desync import TAG_LEN, make_tag, unit_code
+    from fullshard.dist.collectives import reduce_scatter
+    from fullshard.dist.desync import Position, Verdict, reduce_tag_row
 
-    # two ranks reduce-scatter different units of the same size (e.g. a backward that finished
-    # units in another order): the tags in every block expose it before the sum is used
-    stats = CommStats()
-    stats.names = {unit_code(u): u for u in ("blocks.1", "blocks.2")}  # as the schedule does
-    pos = stats.next_position(
-        "reduce_scatter", "blocks.1" if rank == 0 else "blocks.2", "reduce-scatter"
-    )
-    tag = make_tag(pos)
-    full = torch.cat([torch.randn(world, 6, dtype=torch.float64), tag.expand(world, TAG_LEN)], 1)
-    out = torch.empty(6 + TAG_LEN, dtype=torch.float64)
+    index = 2 if how == "units" and rank == world - 1 else 1  # blocks.1 / blocks.2
+    present = [True, rank != 0] if how == "presence" else [True, True]
+    pos = Position(7, 0, "reduce_scatter", f"blocks.{index}", "reduce-scatter", index)
+    extra = reduce_tag_row(pos, present, dtype, torch.device("cpu")).expand(world, -1)
+    k = extra.shape[1]
+    full = torch.cat([torch.randn(world, 6).to(dtype), extra], 1)
+    verdict = Verdict()
+    verdict.names = {1: "blocks.1", 2: "blocks.2"}
     group = torch.distributed.group.WORLD
-    pending = reduce_scatter(out, full, group, stats=stats, what="reduce-scatter of test",
-                             unit=pos.unit, timeout=timedelta(seconds=30), position=pos, tag=tag)  # fmt: skip
-    return _catch(pending.wait)
+    names = ["fc.weight", "fc.bias"]
+
+    def run() -> None:
+        out = torch.empty(6 + k, dtype=dtype)
+        if sums:
+            torch.distributed.reduce_scatter_tensor(out, full.view(-1), group=group)
+            verdict.reduce_sums(out[-k:], world, pos, group, names)
+        else:
+            pending = reduce_scatter(out, full, group, what="test", timeout=timedelta(seconds=30))
+            pending.wait()
+            assert pending.rows is not None
+            verdict.reduce_rows(pending.rows[:, -k:], rank, pos, group, names)
+
+    return _catch(run)
 
 
 def test_mispaired_reduce_scatters_are_caught_by_their_tags() -> None:
-    for res in run_ranks(_mispaired_reduce, 2, timeout_s=60):
+    # two ranks reduce-scatter different units of the same size (e.g. a backward that finished
+    # units in another order): the tags in every block expose it before the sum is used
+    for res in run_ranks(_tagged_reduce, 2, "units", torch.float32, False, timeout_s=60):
         assert res["type"] == "DesyncError", res
         assert "different reduce-scatters" in res["error"], res
         assert "unit 'blocks.1'" in res["error"] and "unit 'blocks.2'" in res["error"], res
+
+
+def test_reduce_scatter_tags_are_exact_in_bf16_sums() -> None:
+    # NCCL sums the tags: in bf16 the old encoding rounded 3 x 173 = 519 to 520 and raised a
+    # false desync at 3 ranks. Bits sum to at most the group size, exact in bf16 up to 256.
+    os.environ["FULLSHARD_REPORT_WAIT_S"] = "2"
+    try:
+        same = run_ranks(_tagged_reduce, 3, "same", torch.bfloat16, True, timeout_s=60)
+        units = run_ranks(_tagged_reduce, 3, "units", torch.bfloat16, True, timeout_s=60)
+    finally:
+        del os.environ["FULLSHARD_REPORT_WAIT_S"]
+    assert all(r["error"] == "" for r in same), same
+    for res in units:
+        assert res["type"] == "DesyncError" and "different reduce-scatters" in res["error"], res
+
+
+def test_a_gradient_on_some_ranks_only_is_named_on_every_rank() -> None:
+    # NOTE [Which gradients exist]: rank 0 has no gradient for 'fc.bias', rank 1 has one
+    for sums in (False, True):
+        for res in run_ranks(_tagged_reduce, 2, "presence", torch.float32, sums, timeout_s=60):
+            assert res["type"] == "DesyncError", res
+            assert "'fc.bias' on 1 of 2 ranks" in res["error"], res
+            assert "fc.weight" not in res["error"], res
+            assert "produced a gradient where others did not" in res["error"], res
+
+
+class _TwinLM(nn.Module):
+    """Two identical blocks; ``swap`` makes rank 1 run them in the other order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(37, 12)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(12, 37)
+        self.swap = False
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        order = [1, 0] if self.swap and torch.distributed.get_rank() == 1 else [0, 1]
+        for i in order:
+            x = self.blocks[i](x)
+        return self.head(x)
+
+
+def _deferred(rank: int, world: int) -> dict:
+    from fullshard.observe.timeline import root_schedule
+
+    torch.manual_seed(0)
+    model = _TwinLM()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    data = batches(3, world)
+    loss_of(model, data[0][rank]).backward()
+    # what a GPU does (NOTE [Reading the verdict]): keep the checks, read them at the next step
+    root_schedule(model).verdict.defer_cpu = True
+    model.swap = True
+    during = _catch(lambda: loss_of(model, data[1][rank]).backward())
+    model.swap = False
+    after = _catch(lambda: loss_of(model, data[2][rank]).backward())
+    return {"during": during["error"], **after}
+
+
+def test_deferred_checks_report_a_desync_at_the_next_step_on_every_rank() -> None:
+    for res in run_ranks(_deferred, 2, timeout_s=60):
+        assert res["during"] == "", res  # the swapped step ran: its checks were not read yet
+        assert res["type"] == "DesyncError", res
+        assert "unit 'blocks.0'" in res["error"] and "unit 'blocks.1'" in res["error"], res
+        assert "restart from the last checkpoint" in res["error"], res
+
+
+def _unit_codes(rank: int, world: int) -> dict:
+    from fullshard.app.models import build_model, unit_types_of
+    from fullshard.app.wrap import shard_model
+    from fullshard.observe.timeline import root_schedule
+
+    model = build_model("gpt2-124m", 256, seed=0, device="meta")
+    shard_model(model, "full_shard", unit_types_of(model))
+    model.to_empty(device="cpu")  # uninitialised memory is enough to number the units
+    from fullshard.engine.hooks import FSDPState
+
+    state: FSDPState = model._fullshard_state  # type: ignore[assignment]
+    state.lazy_init()  # what the first forward does: the root numbers its units
+    names = root_schedule(model).stats.names
+    return {"codes": sorted(names), "names": sorted(names.values())}
+
+
+def test_unit_codes_are_the_registration_order_and_never_collide() -> None:
+    # crc32 % 251 made blocks.3 and blocks.8 of gpt2-124m collide; indices cannot
+    res = run_ranks(_unit_codes, 1, timeout_s=60)[0]
+    assert res["codes"] == list(range(13)), res
+    assert (
+        len(set(res["names"])) == 13 and "blocks.3" in res["names"] and "blocks.8" in res["names"]
+    )
+
+
+class _RankOnlyBlock(Block):
+    """A block whose ``extra`` layer only rank 0's forward uses (a data-dependent branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(12, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return x + self.extra(x) if torch.distributed.get_rank() == 0 else x
+
+
+def _partial_gradients(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = _TwinLM()
+    model.blocks[0] = _RankOnlyBlock()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return _catch(lambda: loss_of(model, batches(1, world)[0][rank]).backward())
+
+
+def test_a_parameter_used_on_some_ranks_only_is_named_not_averaged_silently() -> None:
+    # NOTE [Which gradients exist]: rank 0 has gradients for blocks.0's 'extra', rank 1 none
+    for res in run_ranks(_partial_gradients, 2, timeout_s=60):
+        assert res["type"] == "DesyncError", res
+        assert "unit 'blocks.0'" in res["error"], res
+        assert "'extra.weight' on 1 of 2 ranks (0)" in res["error"], res

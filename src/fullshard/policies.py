@@ -59,14 +59,3 @@ class ShardingStrategy(enum.Enum):
     HYBRID_SHARD = "hybrid_shard"
     # 2-D mesh: shard inside a group, replicate across groups (SHARD_GRAD_OP inside).
     HYBRID_SHARD_ZERO2 = "hybrid_shard_zero2"
-
-
-class Phase(enum.Enum):
-    """Where in a training step a unit or a collective is."""
-
-    # Before the first forward of a step (or between steps).
-    IDLE = "idle"
-    # Inside the forward pass.
-    FORWARD = "forward"
-    # Inside the backward pass.
-    BACKWARD = "backward"

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fullshard.dist.control import broadcast_tensor
 from fullshard.engine.api import FSDPModule
 from fullshard.engine.param import ShardedParam
 from fullshard.engine.state_dict_hooks import contiguous_stride, to_local_shard
@@ -230,7 +231,7 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, Any] | Non
                 full = full_state_dict[key].detach().to(unit.mesh.device, sp.sharded.dtype)
             else:
                 full = torch.empty(sp.shape, dtype=sp.sharded.dtype, device=unit.mesh.device)
-            dist.broadcast(full, src=0)
+            broadcast_tensor(full, 0, what=f"broadcast_from_rank0 of '{key}'")
             with torch.no_grad():
                 sp.sharded.copy_(chunk_of(full, unit.mesh.world_size, unit.mesh.rank))
     with torch.no_grad():
@@ -239,4 +240,4 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, Any] | Non
                 continue
             if rank == 0 and full_state_dict is not None and name in full_state_dict:
                 t.copy_(full_state_dict[name])
-            dist.broadcast(t.data, src=0)
+            broadcast_tensor(t.data, 0, what=f"broadcast_from_rank0 of '{name}'")

@@ -4,6 +4,14 @@ Every collective fullshard issues goes through this file, so ``CommStats`` sees 
 unit and phase that issued it. Bytes are counted as the size of the *full* (unsharded) buffer a
 collective covers: an all-gather of a unit counts the gathered unit, a reduce-scatter counts the
 full gradient it reduces. In those units FULL_SHARD moves 3 model-sizes per step, DDP 2.
+
+NOTE [Waiting without blocking the host]
+``Pending.wait()`` orders what comes next after the collective. On gloo the collective runs on
+the host, so the wait blocks the host, bounded by a timeout that turns a dead or stuck peer into
+an error naming every rank's position. On NCCL it makes the *current CUDA stream* wait for the
+collective (``work.wait()`` without a timeout: a stream dependency, no host synchronisation);
+a stuck peer is then caught by the process group's own timeout and watchdog. Callers choose the
+stream that waits (``engine/streams.py``).
 """
 
 from __future__ import annotations
@@ -21,12 +29,11 @@ import torch.distributed as dist
 from fullshard.dist.desync import (
     DesyncError,
     Position,
-    check_tags,
     debug_enabled,
     explain_failure,
     fingerprint_check,
-    unit_code,
 )
+from fullshard.dist.device import check_tensor
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.4 has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,7 +57,7 @@ class CommStats:
     """Per-rank counters of collectives issued: calls and bytes by kind and by (kind, unit).
 
     With ``timeline`` set, every collective also records its span (issue to completion, as
-    seen by the communication thread) and every wait that blocked the caller ("exposed"
+    seen by the communication thread) and every host wait that blocked the caller ("exposed"
     communication: time the rank could not compute).
     """
 
@@ -58,20 +65,18 @@ class CommStats:
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     unit_bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     timeline: Timeline | None = None
-    exposed_s: float = 0.0  # time spent blocked in waits (only counted while timeline is set)
     # collectives whose completion we must observe by polling (gloo has no futures for them)
     open_comm: list[tuple[dist.Work, str, str, float, int]] = field(default_factory=list)
-    # NOTE [Collective positions]: this rank's collective count and step, unit names by code
+    # NOTE [Collective positions]: this rank's collective count and step, unit names by index
     seq: int = 0
     step: int = 0
     names: dict[int, str] = field(default_factory=dict)
     debug: bool = field(default_factory=debug_enabled)
 
-    def next_position(self, kind: str, unit: str, phase: str) -> Position:
+    def next_position(self, kind: str, unit: str, phase: str, index: int) -> Position:
         """The position of the next collective this rank issues (and count it)."""
-        pos = Position(self.seq, self.step, kind, unit, phase)
+        pos = Position(self.seq, self.step, kind, unit, phase, index)
         self.seq += 1
-        self.names.setdefault(unit_code(unit), unit)
         return pos
 
     def record(self, kind: str, unit: str, nbytes: int) -> None:
@@ -83,7 +88,6 @@ class CommStats:
         self.calls.clear()
         self.bytes.clear()
         self.unit_bytes.clear()
-        self.exposed_s = 0.0
 
     def poll(self, done: dist.Work | None = None) -> None:
         """Close the timeline spans of polled collectives that have completed by now.
@@ -105,8 +109,13 @@ class CommStats:
         self.open_comm = still
 
 
+def _host_wait(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """NOTE [Waiting without blocking the host]: only NCCL on CUDA tensors orders by stream."""
+    return not (tensor.is_cuda and "nccl" in str(dist.get_backend(group)))
+
+
 class Pending:
-    """A collective in flight: ``wait()`` blocks at most ``timeout`` and names what it waited for."""
+    """A collective in flight (NOTE [Waiting without blocking the host])."""
 
     def __init__(
         self,
@@ -117,6 +126,7 @@ class Pending:
         unit: str = "",
         position: Position | None = None,
         group: dist.ProcessGroup | None = None,
+        host_wait: bool = True,
     ) -> None:
         self._work = work
         self.what = what
@@ -125,23 +135,29 @@ class Pending:
         self._unit = unit
         self.position = position
         self._group = group
+        self._host_wait = host_wait
         # work to do once the collective has landed (e.g. the local sum of NOTE [Reduce-scatter
         # on gloo]); it runs inside wait(), so a result is never read before it is complete
         self.then: Callable[[], None] | None = None
         # buffers the collective owns until it is waited for (for memory accounting)
         self.buffers: list[torch.Tensor] = []
+        # gloo's reduce-scatter: every rank's block for this rank's shard, before the sum
+        self.rows: torch.Tensor | None = None
 
     def wait(self) -> None:
         if self._work is None:
             return
         work, self._work = self._work, None
-        self._wait(work)
+        if self._host_wait:
+            self._bounded_wait(work)
+        else:
+            work.wait()  # the current stream waits; the host goes on
         if self.then is not None:
             then, self.then = self.then, None
             then()
         self.buffers = []
 
-    def _wait(self, work: dist.Work) -> None:
+    def _bounded_wait(self, work: dist.Work) -> None:
         timeline = self._stats.timeline if self._stats is not None else None
         if timeline is not None and self._stats is not None:
             self._stats.poll()
@@ -153,14 +169,8 @@ class Pending:
         if ok is False:
             self._fail(f"did not finish within {self._timeout.total_seconds():.0f}s")
         if timeline is not None and self._stats is not None:
-            t1 = time.perf_counter()
-            self._stats.exposed_s += t1 - t0
-            timeline.record("wait " + self.what.split(" ")[0], "exposed", self._unit, t0, t1)
+            timeline.record("wait " + self.what.split(" ")[0], "exposed", self._unit, t0, time.perf_counter())
             self._stats.poll(done=work)
-
-    @property
-    def done(self) -> bool:
-        return self._work is None
 
     def _fail(self, how: str) -> NoReturn:
         where = explain_failure(self.position, self.what, self._group)
@@ -182,14 +192,12 @@ def _issue(
     unit: str,
     timeout: timedelta,
     group: dist.ProcessGroup | None,
-    phase: str,
     position: Position | None,
 ) -> Pending:
+    check_tensor(tensor, group, what)  # NOTE [Device discipline]
     if stats is not None:
         stats.record(kind, unit, nbytes)
-        if position is None:
-            position = stats.next_position(kind, unit, phase)
-        if stats.debug:
+        if stats.debug and position is not None:
             fingerprint_check(
                 position, tensor.numel(), tensor.dtype, group, tensor.device, timeout, stats.names
             )
@@ -205,19 +213,18 @@ def _issue(
             )
         except RuntimeError:  # gloo: "Work::getFuture not implemented" for these collectives
             stats.open_comm.append((work, kind, unit, t0, nbytes))
-    return Pending(work, what, timeout, stats, unit, position, group)
+    return Pending(work, what, timeout, stats, unit, position, group, _host_wait(tensor, group))
 
 
 def all_gather(
     out: torch.Tensor,
     shard: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     *,
-    stats: CommStats,
     what: str,
-    unit: str,
     timeout: timedelta,
-    phase: str = "all-gather",
+    stats: CommStats | None = None,
+    unit: str = "",
     position: Position | None = None,
 ) -> Pending:
     """Start ``all_gather_into_tensor(out, shard)`` asynchronously."""
@@ -231,7 +238,6 @@ def all_gather(
         unit=unit,
         timeout=timeout,
         group=group,
-        phase=phase,
         position=position,
     )
 
@@ -239,65 +245,56 @@ def all_gather(
 def reduce_scatter(
     out: torch.Tensor,
     full: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     *,
-    stats: CommStats,
     what: str,
-    unit: str,
     timeout: timedelta,
+    stats: CommStats | None = None,
+    unit: str = "",
     position: Position | None = None,
-    tag: torch.Tensor | None = None,
 ) -> Pending:
     """Start a summing reduce-scatter of ``full`` (rank-major blocks) into ``out``, async.
-
-    With ``tag`` (the last ``len(tag)`` columns of every block of ``full``), the ranks' tags are
-    compared before the sum is used (NOTE [Collective positions]): exactly, row by row, on gloo;
-    as a sum (``world * tag``) where the backend sums them.
 
     SUM, not AVG: gloo has no AVG, and summing then dividing by the world size on our side makes
     the 2-rank float32 result bitwise equal to a single process's ``(g0 + g1) / 2``.
 
     NOTE [Reduce-scatter on gloo]
     gloo's own reduce-scatter is slow: 20 MB at 2 ranks took 26-33 ms where an all-reduce of the
-    same tensor took 12-20 ms and an all-to-all plus a local sum 9.5 ms (measured here, see
-    docs/design.md). On gloo each rank therefore receives every rank's block for its own shard
-    (``all_to_all_single``, exactly the bytes a reduce-scatter moves) and sums them locally, in
-    rank order, when the collective is waited for. NCCL keeps its reduce-scatter.
+    same tensor took 12-20 ms and an all-to-all plus a local sum 9.5 ms (measured on the 2-core
+    development machine). On gloo each rank therefore receives every rank's block for its own
+    shard (``all_to_all_single``, exactly the bytes a reduce-scatter moves) and sums them
+    locally, in rank order, when the collective is waited for; ``Pending.rows`` then holds the
+    blocks, so the caller can compare the ranks' tags exactly. NCCL keeps its reduce-scatter.
     """
     world = dist.get_world_size(group)
-    buffers: list[torch.Tensor] = []
-    work_fn: Callable[[], dist.Work | None]
-    then: Callable[[], None] | None
     if dist.get_backend(group) == "gloo":
         recv = torch.empty_like(full.view(-1))
-        buffers.append(recv)
+        rows = recv.view(world, -1)
+        pending = _issue(
+            "reduce_scatter",
+            lambda: dist.all_to_all_single(recv, full.view(-1), group=group, async_op=True),
+            full,
+            full.numel() * full.element_size(),
+            stats=stats,
+            what=what,
+            unit=unit,
+            timeout=timeout,
+            group=group,
+            position=position,
+        )
 
         def local_sum() -> None:
-            rows = recv.view(world, -1)
-            if tag is not None and position is not None:
-                check_tags(rows[:, -tag.numel() :], tag.double(), position, stats.names, group)
             torch.sum(rows, dim=0, out=out)
 
-        work_fn = lambda: dist.all_to_all_single(recv, full.view(-1), group=group, async_op=True)  # noqa: E731
-        then = local_sum
-    else:
-
-        def check_sum() -> None:
-            if tag is None:
-                return
-            if not torch.equal(out[-tag.numel() :].double().cpu(), world * tag.double().cpu()):
-                raise DesyncError(
-                    f"rank {dist.get_rank()}: ranks paired different reduce-scatters; this rank "
-                    f"was at {position}. The ranks ran different backward sequences."
-                )
-
-        work_fn = lambda: _reduce_scatter_single(  # noqa: E731
-            out, full.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
-        )
-        then = check_sum
-    pending = _issue(
+        pending.then = local_sum
+        pending.buffers.append(recv)
+        pending.rows = rows
+        return pending
+    return _issue(
         "reduce_scatter",
-        work_fn,
+        lambda: _reduce_scatter_single(
+            out, full.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
+        ),
         full,
         full.numel() * full.element_size(),
         stats=stats,
@@ -305,23 +302,19 @@ def reduce_scatter(
         unit=unit,
         timeout=timeout,
         group=group,
-        phase="reduce-scatter",
         position=position,
     )
-    pending.then = then
-    pending.buffers.extend(buffers)
-    return pending
 
 
 def all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None,
     *,
+    what: str,
+    timeout: timedelta,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     stats: CommStats | None = None,
-    what: str,
     unit: str = "",
-    timeout: timedelta,
 ) -> Pending:
     """Start an ``all_reduce`` asynchronously."""
     return _issue(
@@ -334,6 +327,81 @@ def all_reduce(
         unit=unit,
         timeout=timeout,
         group=group,
-        phase="all-reduce",
         position=None,
     )
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    group: dist.ProcessGroup | None,
+    *,
+    what: str,
+    timeout: timedelta,
+) -> Pending:
+    """Start a ``broadcast`` of rank ``src``'s ``tensor`` (a global rank) asynchronously."""
+    return _issue(
+        "broadcast",
+        lambda: dist.broadcast(tensor, src=src, group=group, async_op=True),
+        tensor,
+        tensor.numel() * tensor.element_size(),
+        stats=None,
+        what=what,
+        unit="",
+        timeout=timeout,
+        group=group,
+        position=None,
+    )
+
+
+@dataclass
+class Comm:
+    """One unit's collectives, bound once: its groups, counters, wait bound and name.
+
+    The unit's lifecycle (``engine/unit.py``) calls these with tensors and positions only; the
+    functions above stay pure over tensors and groups.
+    """
+
+    group: dist.ProcessGroup
+    timeout: timedelta
+    unit: str
+    stats: CommStats = field(default_factory=CommStats)
+    replicate_group: dist.ProcessGroup | None = None
+
+    def position(self, kind: str, phase: str, index: int) -> Position:
+        return self.stats.next_position(kind, self.unit, phase, index)
+
+    def all_gather(self, out: torch.Tensor, send: torch.Tensor, pos: Position) -> Pending:
+        return all_gather(
+            out,
+            send,
+            self.group,
+            what=f"all-gather ({pos.phase}) of unit '{self.unit}'",
+            timeout=self.timeout,
+            stats=self.stats,
+            unit=self.unit,
+            position=pos,
+        )
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, pos: Position) -> Pending:
+        return reduce_scatter(
+            out,
+            full,
+            self.group,
+            what=f"reduce-scatter of unit '{self.unit}'",
+            timeout=self.timeout,
+            stats=self.stats,
+            unit=self.unit,
+            position=pos,
+        )
+
+    def all_reduce_replicas(self, tensor: torch.Tensor) -> Pending:
+        """HSDP: the sum of a gradient shard over the replicas that hold the same shard."""
+        return all_reduce(
+            tensor,
+            self.replicate_group,
+            what=f"all-reduce across replicas of unit '{self.unit}'",
+            timeout=self.timeout,
+            stats=self.stats,
+            unit=self.unit,
+        )

@@ -3,29 +3,44 @@ where, on every rank, instead of hanging or mixing numbers.
 
 NOTE [Collective positions]
 Every collective fullshard issues gets a *position*: its sequence number on this rank, the
-training step, its kind, its unit and why it runs (forward gather, backward gather,
-reduce-scatter). Three mechanisms use it:
+training step, its kind, its unit (by the unit's index in the root's registration order, which
+every rank shares, so two units never share a code) and why it runs. Three mechanisms use it:
 
-1. Tags in the all-gather payload (always on). Each rank appends a few small integers (unit,
-   sequence, phase) to the buffer it sends; after the gather every rank compares all ranks'
-   tags. Two ranks that pair *different* collectives of the *same size* (identical transformer
-   blocks!) would otherwise silently compute with the wrong weights: now both raise at once,
-   naming what each rank was doing. It costs a handful of elements per gather.
+1. Tags inside the payload (always on, no extra collective). An all-gather shard ends in
+   ``TAG_LEN`` small integers (magic, unit index in two bytes, phase, sequence mod 256): after
+   the gather every rank holds every rank's tag and compares them, so two ranks that pair
+   *different* collectives of the *same size* (identical transformer blocks!) cannot silently
+   compute with each other's weights. A reduce-scatter block ends in one column per trainable
+   parameter ("this rank has a gradient for it") and the same five bytes written as 40 bits.
+   Sums of bits stay exact integers in every reduce dtype as long as the group has at most 256
+   ranks (bf16's exact range; fp16: 2048), so after the sum every column must be 0 or the
+   group size: anything between means the ranks disagreed (NOTE [Which gradients exist]).
 2. A failed or timed-out wait (a dead rank, or a rank that went elsewhere): each rank publishes
    its position in the process group's store and reads the others' for a few seconds, so the
-   error lists every rank's position, and names the ranks that never reported (dead, or stuck
-   outside a collective).
+   error lists every rank's position, and names the ranks that never reported.
 3. Debug mode (``FULLSHARD_DEBUG_COLLECTIVES=1``): before every collective, ranks exchange a
    fixed-size fingerprint (sequence, kind, unit, size, dtype, step) and compare, so a mismatch
-   is caught at once even when the real collectives' sizes differ (which would otherwise wait
-   for the timeout). One extra small all-gather per collective.
+   is caught at once even when the real collectives' sizes differ. One extra small all-gather
+   and a host synchronisation per collective: for debugging only.
+
+NOTE [Reading the verdict]
+Comparing tags is device work; *reading* the answer on the host is what costs on a GPU (a
+synchronisation per collective, two per unit per step). ``Verdict`` therefore checks CPU tensors
+at once (gloo on CPU: reading is free, and the error comes before any result is used) and keeps
+CUDA tensors until the step's collectives are done: ``close()`` reduces them on the device to a
+few flags copied to pinned host memory behind an event, and ``poll()`` reads the flags once the
+event has passed, at the next step's start (a loop that reads its loss has passed it already)
+or, blocking, before a state dict is taken. On a GPU a desync is therefore reported at most a
+step later, with the same message, on every rank; the step's results were used, so the error
+says to restart from the last checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -35,10 +50,11 @@ from fullshard.policies import FullshardError
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 PHASES = ("other", "forward gather", "backward gather", "reduce-scatter", "unshard()")
-# Payload tags must be exact in bf16/fp16 too: integers below 256.
-TAG_MOD = 251
-TAG_MAGIC = 173.0
-TAG_LEN = 4
+TAG_MAGIC = 0xA5
+TAG_LEN = 5  # all-gather tail: magic, unit index (2 bytes), phase, sequence mod 256
+TAG_BITS = 8 * TAG_LEN  # reduce-scatter: the same bytes as bits
+UNREGISTERED = 0xFFFF  # a unit gathered before its root's first forward gave it an index
+MAX_EXACT_SUM = {torch.bfloat16: 256, torch.float16: 2048}  # ranks whose bit sums stay exact
 
 
 class DesyncError(FullshardError):
@@ -54,11 +70,6 @@ def report_wait() -> timedelta:
     return timedelta(seconds=float(os.environ.get("FULLSHARD_REPORT_WAIT_S", "10")))
 
 
-def unit_code(unit: str) -> int:
-    """A stable small number for a unit name (the same on every rank)."""
-    return zlib.crc32(unit.encode()) % TAG_MOD
-
-
 @dataclass
 class Position:
     """Where one rank is in the collective sequence (NOTE [Collective positions])."""
@@ -68,52 +79,246 @@ class Position:
     kind: str
     unit: str
     phase: str
+    index: int = UNREGISTERED  # the unit's index in its root's registration order
 
     def __str__(self) -> str:
         return f"{self.phase} of unit '{self.unit}' (step {self.step}, collective #{self.seq})"
 
+    def tag_bytes(self) -> list[int]:
+        """The five tag bytes of this position (NOTE [Collective positions])."""
+        phase = PHASES.index(self.phase) if self.phase in PHASES else 0
+        return [TAG_MAGIC, self.index >> 8 & 0xFF, self.index & 0xFF, phase, self.seq % 256]
 
-# -- 1. payload tags ---------------------------------------------------------------------------
-def make_tag(pos: Position) -> torch.Tensor:
-    return torch.tensor(
-        [
-            TAG_MAGIC,
-            unit_code(pos.unit),
-            pos.seq % TAG_MOD,
-            PHASES.index(pos.phase) if pos.phase in PHASES else 0,
-        ],
-        dtype=torch.float64,
+
+def tags_exact(dtype: torch.dtype, world: int) -> bool:
+    """Whether sums of ``world`` bits stay exact in ``dtype`` (reduce-scatter tags)."""
+    return world <= MAX_EXACT_SUM.get(dtype, 1 << 24)
+
+
+# -- 1. payload tags: device tables, so that writing a tag is one kernel and no host copy -------
+@functools.lru_cache(maxsize=32)
+def _tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phase*256 + seq -> [phase, seq]), (byte -> its 8 bits, high first), on ``device``."""
+    n = torch.arange(len(PHASES) * 256)
+    pairs = torch.stack([n // 256, n % 256], dim=1)
+    b = torch.arange(256).unsqueeze(1)
+    bits = (b >> torch.arange(7, -1, -1)) & 1
+    return pairs.to(device, dtype), bits.to(device, dtype)
+
+
+def write_static_tag(tail: torch.Tensor, index: int) -> None:
+    """The parts of an all-gather tag that never change: magic and unit index (at build time)."""
+    values = [TAG_MAGIC, index >> 8 & 0xFF, index & 0xFF]
+    tail[:3].copy_(torch.tensor(values, dtype=tail.dtype))
+
+
+def write_dynamic_tag(tail: torch.Tensor, pos: Position) -> None:
+    """Phase and sequence of this gather into ``tail[3:5]`` (one copy from a device table)."""
+    b = pos.tag_bytes()
+    pairs, _ = _tables(tail.device, tail.dtype)
+    tail[3:5].copy_(pairs[b[3] * 256 + b[4]])
+
+
+def reduce_tag_row(
+    pos: Position, present: list[bool], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A reduce-scatter block's extra columns: one presence bit per trainable parameter, then
+    the position's 40 tag bits (one ``cat`` kernel of table rows; no host copy)."""
+    _, bits = _tables(device, dtype)
+    parts = [bits[1 if p else 0, 7:] for p in present]
+    parts += [bits[b] for b in pos.tag_bytes()]
+    return torch.cat(parts)
+
+
+def _bits_to_bytes(bits: list[float]) -> list[int]:
+    out = []
+    for i in range(0, len(bits), 8):
+        v = 0
+        for b in bits[i : i + 8]:
+            v = 2 * v + int(b)
+        out.append(v)
+    return out
+
+
+def _describe(row: list[int], names: dict[int, str]) -> str:
+    if row[0] != TAG_MAGIC:
+        return "not a fullshard collective of this size (foreign collective)"
+    index = row[1] * 256 + row[2]
+    unit = names.get(index, f"#{index}")
+    phase = PHASES[row[3]] if 0 <= row[3] < len(PHASES) else "?"
+    return f"{phase} of unit '{unit}', collective #{row[4]} (mod 256)"
+
+
+def _ranks(group: dist.ProcessGroup | None, world: int) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(world))
+
+
+def _mispaired(pos: Position, lines: list[str], late: bool) -> DesyncError:
+    used = (
+        "Its result was used before this check (GPU: verdicts are read once per step): "
+        "restart from the last checkpoint."
+        if late
+        else "No result of this collective was used."
+    )
+    return DesyncError(
+        f"rank {dist.get_rank()}: ranks paired different {pos.kind.replace('_', '-')}s "
+        f"({'; '.join(lines)}); this rank was at {pos}. The ranks ran different forward/backward "
+        "sequences (a skipped or extra forward, another branch, a different number of "
+        f"micro-batches). {used}"
     )
 
 
-def check_tags(
-    tags: torch.Tensor,
-    mine: torch.Tensor,
-    pos: Position,
-    names: dict[int, str],
-    group: dist.ProcessGroup,
-) -> None:
-    """Every rank's tag (rows of ``tags``) must equal this rank's; else raise on every rank."""
-    tags = tags.double().cpu()
-    if bool((tags == mine.reshape(1, -1)).all()):
-        return
-    ranks = dist.get_process_group_ranks(group)
-    lines = []
-    for r, row in zip(ranks, tags.tolist(), strict=True):
-        if row[0] != TAG_MAGIC:
-            lines.append(f"rank {r}: not a fullshard collective of this size (foreign collective)")
-            continue
-        unit = names.get(int(row[1]), f"#{int(row[1])}")
-        phase = PHASES[int(row[3])] if 0 <= int(row[3]) < len(PHASES) else "?"
-        lines.append(
-            f"rank {r}: {phase} of unit '{unit}', collective #{int(row[2])} (mod {TAG_MOD})"
+@dataclass
+class _Item:
+    kind: str  # "gather": rows of tags; "rows": reduce-scatter blocks; "sums": summed blocks
+    tensor: torch.Tensor
+    pos: Position
+    group: dist.ProcessGroup | None
+    me: int
+    world: int
+    params: list[str] = field(default_factory=list)
+
+
+class Verdict:
+    """The tag checks of one root's collectives (NOTE [Reading the verdict])."""
+
+    def __init__(self, defer_cpu: bool = False) -> None:
+        self.names: dict[int, str] = {}  # unit index -> name, to decode other ranks' tags
+        self._items: list[_Item] = []
+        self._pending: list[tuple[torch.cuda.Event | None, torch.Tensor, list[_Item]]] = []
+        self.defer_cpu = defer_cpu  # tests: CPU tensors take the GPU's deferred path
+
+    # -- adding checks ----------------------------------------------------------------------
+    def gather(
+        self, rows: torch.Tensor, me: int, pos: Position, group: dist.ProcessGroup | None
+    ) -> None:
+        """All-gather tags: ``rows[r]`` is rank r's tag; every row must equal row ``me``."""
+        self._add(_Item("gather", rows, pos, group, me, rows.shape[0]))
+
+    def reduce_rows(
+        self,
+        rows: torch.Tensor,
+        me: int,
+        pos: Position,
+        group: dist.ProcessGroup | None,
+        params: list[str],
+    ) -> None:
+        """Reduce-scatter extra columns of every rank, before the sum (gloo)."""
+        self._add(_Item("rows", rows, pos, group, me, rows.shape[0], params))
+
+    def reduce_sums(
+        self,
+        sums: torch.Tensor,
+        world: int,
+        pos: Position,
+        group: dist.ProcessGroup | None,
+        params: list[str],
+    ) -> None:
+        """Reduce-scatter extra columns after the sum: each must be 0 or ``world``."""
+        self._add(_Item("sums", sums, pos, group, -1, world, params))
+
+    def _add(self, item: _Item) -> None:
+        if item.tensor.device.type == "cpu" and not self.defer_cpu:
+            self._raise_if_bad(item, late=False)  # free to read: check before use
+        else:
+            self._items.append(item)
+
+    def take(self, other: Verdict) -> None:
+        """Adopt another verdict's unread checks (a unit's own, once its root exists)."""
+        self._items += other._items
+        self._pending += other._pending
+        other._items, other._pending = [], []
+
+    # -- reading ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """The step's collectives are issued: reduce their checks to flags on the device and
+        start copying them to the host (no synchronisation). Checks of one shape are stacked,
+        so a step costs a handful of kernels, not a few per collective."""
+        items, self._items = self._items, []
+        if not items:
+            return
+        groups: dict[tuple[str, tuple[int, ...], int, int], list[_Item]] = {}
+        for item in items:
+            key = (item.kind, tuple(item.tensor.shape), item.me, item.world)
+            groups.setdefault(key, []).append(item)
+        flags, ordered = [], []
+        for (kind, _, me, world), members in groups.items():
+            t = torch.stack([m.tensor for m in members])
+            if kind == "sums":
+                bad = (t != 0) & (t != world)
+            else:
+                bad = t != t[:, me : me + 1]
+            flags.append(bad.flatten(1).any(1))
+            ordered += members
+        flag = torch.cat(flags)
+        event = None
+        if flag.is_cuda:
+            host = torch.empty(flag.shape, dtype=torch.bool, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = flag
+        self._pending.append((event, host, ordered))
+
+    def poll(self, block: bool = False) -> None:
+        """Read every closed verdict whose copy has landed (all of them with ``block``); raise
+        ``DesyncError`` for the first bad collective. At most one closed verdict is left."""
+        while self._pending:
+            event, host, items = self._pending[0]
+            if event is not None:
+                if not (block or len(self._pending) > 1 or event.query()):
+                    return
+                event.synchronize()
+            self._pending.pop(0)
+            for flag, item in zip(host.tolist(), items, strict=True):
+                if flag:
+                    self._raise_if_bad(item, late=True)
+
+    def flush(self) -> None:
+        """Close and read everything now (a host synchronisation: before a state dict)."""
+        self.close()
+        self.poll(block=True)
+
+    def _raise_if_bad(self, item: _Item, late: bool) -> None:
+        t = item.tensor.detach().double().cpu()
+        world, k = item.world, len(item.params)
+        if item.kind == "sums":
+            if not ((t != 0) & (t != world)).any():
+                return
+        elif not (t != t[item.me : item.me + 1]).any():
+            return
+        ranks = _ranks(item.group, world)
+        if item.kind == "gather":
+            rows = [[int(v) for v in r] for r in t.tolist()]
+            lines = [f"rank {r}: {_describe(row, self.names)}" for r, row in zip(ranks, rows)]
+            raise _mispaired(item.pos, lines, late)
+        holders: list[list[int]] = [[] for _ in range(k)]
+        if item.kind == "rows":
+            tags = [_bits_to_bytes(r[k:]) for r in t.tolist()]
+            if any(row != tags[item.me] for row in tags):
+                lines = [f"rank {r}: {_describe(row, self.names)}" for r, row in zip(ranks, tags)]
+                raise _mispaired(item.pos, lines, late)
+            holders = [[ranks[i] for i in range(world) if t[i, j] > 0] for j in range(k)]
+            counts = [len(h) for h in holders]
+        else:
+            if ((t[k:] != 0) & (t[k:] != world)).any():
+                where = explain_failure(item.pos, str(item.pos), item.group)
+                raise _mispaired(item.pos, [f"where every rank is: {where}"], late)
+            counts = [int(v) for v in t[:k].tolist()]
+        shown = "; ".join(
+            f"'{item.params[j]}' on {counts[j]} of {world} ranks"
+            + (f" ({', '.join(map(str, holders[j]))})" if holders[j] else "")
+            for j in range(k)
+            if 0 < counts[j] < world
         )
-    raise DesyncError(
-        f"rank {dist.get_rank()}: ranks paired different {pos.kind.replace('_', '-')}s ({'; '.join(lines)}); this "
-        f"rank was at {pos}. The ranks ran different forward/backward sequences (a skipped or "
-        "extra forward, another branch, a different number of micro-batches); no result of this "
-        "collective was used."
-    )
+        raise DesyncError(
+            f"rank {dist.get_rank()}: in unit '{item.pos.unit}' (step {item.pos.step}) some ranks "
+            f"produced a gradient where others did not: {shown}. Every rank's backward must "
+            "reach the same parameters of a unit, as in torch FSDP2: use every parameter on "
+            "every rank (e.g. add 0 * p.sum() for a branch this rank skipped), or freeze it."
+            + (" This step's gradients were used: restart from the last checkpoint." if late else "")
+        )
 
 
 # -- 2. explaining a failed wait ---------------------------------------------------------------
@@ -124,11 +329,7 @@ def explain_failure(pos: Position | None, what: str, group: dist.ProcessGroup | 
     except Exception:  # no store reachable: say what we know
         return f"this rank was at {pos or what}"
     rank = dist.get_rank()
-    ranks = (
-        dist.get_process_group_ranks(group)
-        if group is not None
-        else list(range(dist.get_world_size()))
-    )
+    ranks = _ranks(group, dist.get_world_size(group))
     prefix = "fullshard/desync/"
     store.set(f"{prefix}{rank}", str(pos or what))
     lines = []
@@ -161,9 +362,9 @@ def fingerprint_check(
         [
             pos.seq,
             KINDS.index(pos.kind) if pos.kind in KINDS else -1,
-            unit_code(pos.unit),
+            pos.index,
             numel,
-            hash(str(dtype)) % 10007,
+            zlib.crc32(str(dtype).encode()) % 10007,  # not hash(): it differs per process
             pos.step,
         ],
         dtype=torch.int64,
@@ -176,12 +377,12 @@ def fingerprint_check(
     rows = everyone.view(world, -1).cpu()
     if bool((rows == mine.cpu().reshape(1, -1)).all()):
         return
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     lines = []
-    for r, row in zip(ranks, rows.tolist(), strict=True):
+    for r, row in zip(_ranks(group, world), rows.tolist(), strict=True):
         kind = KINDS[row[1]] if 0 <= row[1] < len(KINDS) else "?"
         lines.append(
-            f"rank {r}: {kind} of unit '{names.get(row[2], '#' + str(row[2]))}' ({row[3]} elements) at step {row[5]}, collective #{row[0]}"
+            f"rank {r}: {kind} of unit '{names.get(row[2], '#' + str(row[2]))}' ({row[3]} "
+            f"elements) at step {row[5]}, collective #{row[0]}"
         )
     raise DesyncError(
         f"rank {dist.get_rank()}: collective mismatch caught before it ran (debug mode): "

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from fullshard.dist.device import accepted_devices, check_device
 from fullshard.policies import FullshardError
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -63,14 +64,29 @@ class MeshInfo:
         return self.world_size * self.replicate_size
 
 
-def _compute_device(backend: str) -> torch.device:
-    if backend == "nccl" and torch.cuda.is_available():
+def _compute_device(group: dist.ProcessGroup, hint: torch.device | None) -> torch.device:
+    """Where a unit computes when no mesh says so: the current GPU when the group moves only
+    CUDA tensors (NCCL: like FSDP2, the shards move there) or the parameters already live on a
+    GPU (gloo sharing GPUs, for tests); else the CPU."""
+    if "cpu" not in accepted_devices(group) or (hint is not None and hint.type == "cuda"):
+        if not torch.cuda.is_available():
+            raise FullshardError(
+                f"rank {dist.get_rank()}: the process group's backend ({dist.get_backend(group)}) "
+                "needs CUDA, but no CUDA device is visible here. Use the gloo backend on CPU."
+            )
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
-    """Build the MeshInfo for ``fully_shard(mesh=...)``: None, 1-D (shard) or 2-D (replicate, shard)."""
+def mesh_info(
+    mesh: DeviceMesh | None, hint: torch.device | None = None, where: str = "fully_shard"
+) -> MeshInfo:
+    """Build the MeshInfo for ``fully_shard(mesh=...)``: None, 1-D (shard) or 2-D (replicate, shard).
+
+    ``hint``: where the module's parameters are now (decides the device when ``mesh`` is None).
+    The device is checked against the group's backend here, before any collective
+    (NOTE [Device discipline]).
+    """
     if not dist.is_available() or not dist.is_initialized():
         raise FullshardError(
             "fully_shard needs an initialised process group: call "
@@ -80,10 +96,9 @@ def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
     if mesh is None:
         group = dist.group.WORLD
         assert group is not None
-        backend = dist.get_backend(group)
-        return MeshInfo(
-            group, dist.get_rank(group), dist.get_world_size(group), _compute_device(backend)
-        )
+        device = _compute_device(group, hint)
+        check_device(device, group, where)
+        return MeshInfo(group, dist.get_rank(group), dist.get_world_size(group), device)
     if mesh.ndim not in (1, 2):
         raise FullshardError(
             f"fully_shard got a {mesh.ndim}-D DeviceMesh; pass a 1-D mesh (shard) or a 2-D mesh "
@@ -95,6 +110,9 @@ def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
     shard_dim = mesh.ndim - 1
     group = mesh.get_group(shard_dim)
     replicate = mesh.get_group(0) if mesh.ndim == 2 else None
+    for g in (group, replicate):
+        if g is not None:
+            check_device(device, g, f"{where} (a '{mesh.device_type}' DeviceMesh)")
     return MeshInfo(
         group,
         dist.get_rank(group),

@@ -8,12 +8,12 @@ from __future__ import annotations
 import functools
 import weakref
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fullshard.dist.mesh import mesh_info
 from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, signature
-from fullshard.engine.gather import finish_gather, start_gather
 from fullshard.engine.hooks import FSDPState
 from fullshard.engine.param import ShardedParam
 from fullshard.engine.state_dict_hooks import install_state_dict_hooks
@@ -29,7 +29,7 @@ class UnshardHandle:
 
     def wait(self) -> None:
         if self._unit is not None:
-            finish_gather(self._unit, "unshard()")
+            self._unit.wait_for_unshard("unshard()")
             self._unit = None
 
 
@@ -41,7 +41,7 @@ class FSDPModule:
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this unit's parameters now (``async_op=True``: return a handle to wait on)."""
         unit = self._fullshard_state.unit
-        start_gather(unit, "unshard()")
+        unit.unshard("unshard()")
         handle = UnshardHandle(unit)
         if async_op:
             return handle
@@ -152,6 +152,13 @@ def _collect_params(module: nn.Module) -> tuple[_Found, list[FSDPState]]:
     return found, children
 
 
+def _param_device(found: _Found) -> torch.device | None:
+    """Where the unit's parameters are now (None: none, or on the meta device)."""
+    for _fqns, p, _refs in found.values():
+        return None if p.is_meta else p.device
+    return None
+
+
 def _check_params(
     found: _Found, children: list[FSDPState], unit_name: str, module: nn.Module
 ) -> None:
@@ -222,8 +229,8 @@ def fully_shard(
         raise FullshardError(
             f"{unit_name} was already passed to fully_shard; wrap each module once."
         )
-    info = mesh_info(mesh)
     found, children = _collect_params(module)
+    info = mesh_info(mesh, _param_device(found), unit_name)
     _check_params(found, children, unit_name, module)
     entries = list(found.values())
     check_same_model(unit_name, signature(entries), info)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from fullshard.dist.control import all_gather_objects
 from fullshard.dist.mesh import MeshInfo
 from fullshard.policies import FullshardError
 
@@ -63,8 +64,7 @@ def check_same_model(unit_name: str, sig: Signature, mesh: MeshInfo) -> None:
         size = dist.get_world_size(group)
         if size == 1:
             continue
-        sigs: list[Any] = [None] * size
-        dist.all_gather_object(sigs, sig, group=group)
+        sigs = all_gather_objects(sig, group)
         ranks = dist.get_process_group_ranks(group)
         lines = _differences(sigs, ranks)
         if lines:

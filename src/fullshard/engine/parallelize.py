@@ -23,23 +23,33 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fullshard.dist.device import accepted_devices
 from fullshard.engine.api import FSDPModule, fully_shard
 from fullshard.policies import FullshardError, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
 
 
-def _device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+def _device_type(model: nn.Module | None) -> str:
+    """The device type of a mesh built for ``model``: where its parameters are (a model on a
+    GPU over gloo stays there), or the GPU when the backend moves only CUDA tensors."""
+    p = next(model.parameters(), None) if model is not None else None
+    if p is not None and p.device.type == "cuda":
+        return "cuda"
+    return "cpu" if "cpu" in accepted_devices() else "cuda"
 
 
-def strategy_mesh(strategy: ShardingStrategy, mesh: DeviceMesh | None = None) -> DeviceMesh | None:
+def strategy_mesh(
+    strategy: ShardingStrategy, mesh: DeviceMesh | None = None, model: nn.Module | None = None
+) -> DeviceMesh | None:
     """The mesh ``strategy`` shards over (``None`` = the default group, 1-D)."""
     world = dist.get_world_size()
     if strategy is ShardingStrategy.NO_SHARD:
         if mesh is not None and mesh.ndim == 2 and mesh.size(1) == 1:
             return mesh
-        return init_device_mesh(_device_type(), (world, 1), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(
+            _device_type(model), (world, 1), mesh_dim_names=("replicate", "shard")
+        )
     if strategy in _HYBRID:
         if mesh is not None:
             if mesh.ndim != 2:
@@ -55,7 +65,7 @@ def strategy_mesh(strategy: ShardingStrategy, mesh: DeviceMesh | None = None) ->
                 "mesh=init_device_mesh(device, (replicas, shard_size))."
             )
         return init_device_mesh(
-            _device_type(), (world // shard, shard), mesh_dim_names=("replicate", "shard")
+            _device_type(model), (world // shard, shard), mesh_dim_names=("replicate", "shard")
         )
     if mesh is not None and mesh.ndim != 1:
         raise FullshardError(f"{strategy.name} shards over a 1-D mesh; got {mesh.ndim}-D.")
@@ -108,7 +118,7 @@ def parallelize(
             raise FullshardError(
                 f"unknown sharding strategy '{strategy}'; one of: {names}"
             ) from None
-    shard_mesh = strategy_mesh(strategy, mesh)
+    shard_mesh = strategy_mesh(strategy, mesh, model)
     raf = reshards_after_forward(strategy)
     kwargs: dict[str, Any] = {"mesh": shard_mesh, "offload_policy": offload_policy}
     if mp_policy is not None:

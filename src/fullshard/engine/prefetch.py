@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fullshard.engine.gather import start_gather
 from fullshard.engine.unit import CommUnit
 
 DEFAULT_MAX_GATHERED = 2
@@ -94,6 +93,6 @@ class Prefetcher:
                 continue
             if self.counts_in_window(target) and self.window() >= self.max_gathered:
                 break
-            start_gather(target, why)
+            target.unshard(why)
             started.append(target)
         return started

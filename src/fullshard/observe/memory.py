@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.engine.schedule import StepSchedule
+from fullshard.engine.schedule import Point, StepSchedule
 from fullshard.engine.unit import CommUnit
 from fullshard.observe.timeline import root_schedule
 
@@ -78,12 +78,13 @@ class MemoryTracker:
                     grads.append(p.unsharded.grad)
                 if p.sharded.grad is not None:
                     grads.append(p.sharded.grad)
-            if u.gather_in_flight is not None and u.gather_in_flight[1] is not u.storage.flat:
-                out = u.gather_in_flight[1]
-                comm += out.numel() * out.element_size()
+            gather = u.gather_in_flight
+            if gather is not None and gather.out is not None:
+                comm += gather.out.numel() * gather.out.element_size()
             if u.reduce_in_flight is not None:
                 inflight = u.reduce_in_flight
-                comm += _unique_bytes([inflight.full, inflight.out, *inflight.pending.buffers])
+                held = inflight.pending.buffers if inflight.pending is not None else []
+                comm += _unique_bytes([inflight.full, inflight.out, *held])
         opt_state = 0
         if self._optimizer is not None:
             opt_state = _unique_bytes(
@@ -115,13 +116,13 @@ class MemoryTracker:
         return now
 
     # -- wiring ----------------------------------------------------------------------------
-    def _on_point(self, point: str, unit: CommUnit) -> None:
-        if point == "forward_start" and unit is self._schedule.root:  # type: ignore[union-attr]
+    def _on_point(self, point: Point, unit: CommUnit) -> None:
+        if point is Point.FORWARD_START and unit is self._schedule.root:  # type: ignore[union-attr]
             self._saved.clear()
-        if point == "backward_done":
+        if point is Point.BACKWARD_DONE:
             self._saved.clear()  # backward has released every saved tensor
-        phase = "backward" if point.startswith("backward") else "forward"
-        if point == "free":
+        phase = point.pass_name
+        if point is Point.FREE:
             phase = "backward" if self._schedule and self._schedule.backward_started else "forward"
         self.sample(phase)
 

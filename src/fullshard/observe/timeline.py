@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.dist.control import all_gather_objects
 from fullshard.engine.api import FSDPModule
-from fullshard.engine.schedule import StepSchedule
+from fullshard.engine.schedule import Point, StepSchedule
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError
 
@@ -73,18 +74,18 @@ class Recorder:
         self.events.append(Event(name, cat, unit, start, end, nbytes, self.rank))
 
     # -- schedule listener -----------------------------------------------------------------
-    def _on_point(self, point: str, unit: CommUnit) -> None:
+    def _on_point(self, point: Point, unit: CommUnit) -> None:
         if self._schedule is not None:
             self._schedule.stats.poll()
         now = time.perf_counter()
-        phase, _, edge = point.partition("_")
-        if edge == "start":
+        phase = point.pass_name
+        if point in (Point.FORWARD_START, Point.BACKWARD_START):
             self._open[(phase, unit.name)] = now
-        elif edge == "end":
+        elif point in (Point.FORWARD_END, Point.BACKWARD_END):
             start = self._open.pop((phase, unit.name), None)
             if start is not None:
                 self.record(phase, "compute", unit.name, start, now)
-        elif point == "free":
+        elif point is Point.FREE:
             self.record("free", "free", unit.name, now, now)
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Recorder:
@@ -147,9 +148,7 @@ def gather_events(events: list[Event]) -> list[Event]:
     """Every rank's events, on every rank (a collective). Times stay each rank's
     ``perf_counter``; ``chrome_trace`` shifts each rank to its own origin, which callers take
     right after a barrier so that the ranks line up."""
-    world = dist.get_world_size()
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, [asdict(e) for e in events])
+    out = all_gather_objects([asdict(e) for e in events])
     return [Event(**d) for per_rank in out for d in per_rank]
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+_chunk_cat = getattr(torch, "_chunk_cat", None)
+
 
 def chunk_rows(dim0: int, world: int) -> int:
     """Rows per rank for a tensor with ``dim0`` rows: ceil division, as in ``torch.chunk``."""
@@ -146,21 +148,32 @@ class FlatLayout:
         """Full gradients -> rank-major reduce-scatter input of shape ``(world, S [+ extra])``.
 
         A missing gradient is sent as zeros. ``extra`` (shape ``(world, k)``) is appended to every
-        rank's block; the reduce-scatter then sums it like the gradients.
+        rank's block; the reduce-scatter then sums it like the gradients. Padding, the cast to
+        ``dtype`` and the rank-major interleave are one kernel (``torch._chunk_cat``, as FSDP2's
+        copy-in) where torch has it.
         """
         w = self.world
-        parts: list[torch.Tensor] = []
-        for slot, grad in zip(self.slots, grads, strict=True):
-            padded_rows = w * slot.chunk_rows
-            if grad is None:
-                parts.append(torch.zeros(w, slot.padded_numel, dtype=dtype, device=device))
-                continue
-            g = grad.reshape(slot.shape[0], slot.row_numel).to(dtype)
-            if padded_rows != slot.shape[0]:
-                g = torch.nn.functional.pad(g, (0, 0, 0, padded_rows - slot.shape[0]))
-            parts.append(g.view(w, slot.padded_numel))
+        # one input dtype (the gradients'); the kernel casts to ``dtype`` on the way out
+        src = next((g.dtype for g in grads if g is not None), dtype)
+        parts = [
+            torch.zeros(slot.shape, dtype=src, device=device) if g is None else g.to(src)
+            for slot, g in zip(self.slots, grads, strict=True)
+        ]
         if extra is not None:
-            parts.append(extra)
-        if len(parts) == 1:
-            return parts[0].contiguous()
-        return torch.cat(parts, dim=1)
+            parts.append(extra.to(src))
+        width = self.shard_numel + (extra.shape[1] if extra is not None else 0)
+        out = torch.empty(w, width, dtype=dtype, device=device)
+        if _chunk_cat is not None:
+            _chunk_cat(parts, dim=0, num_chunks=w, out=out)
+            return out
+        cols = []  # torch < 2.4: pad, cast and cat by hand
+        for slot, part in zip(self.slots, parts, strict=False):
+            g = part.reshape(slot.shape[0], slot.row_numel).to(dtype)
+            rows = w * slot.chunk_rows
+            if rows != slot.shape[0]:
+                g = torch.nn.functional.pad(g, (0, 0, 0, rows - slot.shape[0]))
+            cols.append(g.view(w, slot.padded_numel))
+        if extra is not None:
+            cols.append(extra.to(dtype))
+        torch.cat(cols, dim=1, out=out)
+        return out
