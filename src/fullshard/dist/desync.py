@@ -220,8 +220,11 @@ class Verdict:
     def _add(self, item: _Item) -> None:
         if item.tensor.device.type == "cpu" and not self.defer_cpu:
             self._raise_if_bad(item, late=False)  # free to read: check before use
-        else:
-            self._items.append(item)
+            return
+        if item.tensor._base is not None:
+            # a view would keep its whole buffer (a gradient shard) alive until the read
+            item.tensor = item.tensor.clone()
+        self._items.append(item)
 
     def take(self, other: Verdict) -> None:
         """Adopt another verdict's unread checks (a unit's own, once its root exists)."""

@@ -425,9 +425,10 @@ class CommUnit:
             me = self.mesh.rank
             self.verdict.reduce_rows(rows[:, -k:], me, flight.position, self.mesh.group, names)
         else:
-            sums = flight.out[-k:].clone()  # the output may be gone before the verdict is read
             world = self.mesh.world_size
-            self.verdict.reduce_sums(sums, world, flight.position, self.mesh.group, names)
+            self.verdict.reduce_sums(
+                flight.out[-k:], world, flight.position, self.mesh.group, names
+            )
 
     def _to_host(self, shard: torch.Tensor) -> torch.Tensor:
         """Offload: the gradient shard goes to host memory; with pinned memory the copy is
