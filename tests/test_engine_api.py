@@ -28,7 +28,9 @@ def _state_dict(rank: int, world: int) -> dict:
         assert value.shape == ref.state_dict()[key].shape
         # the DTensor wraps the shard itself: no copy, no communication
         if key in own:
-            checks[key] = value.to_local().data_ptr() == own[key].data_ptr()
+            # parameters are DTensors too (NOTE [Sharded parameters are DTensors])
+            assert isinstance(own[key], DTensor), key
+            checks[key] = value.to_local().data_ptr() == own[key].to_local().data_ptr()
     full = full_params(model)
     equal = all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
     # load: a fresh sharded model (other init) takes DTensors, then full tensors
@@ -70,14 +72,8 @@ def _accumulate(rank: int, world: int, k: int, sync_every: bool = False) -> dict
         if q.grad is None:
             assert p.grad is None, name
             continue
-        full_grad = DTensor.from_local(
-            p.grad,
-            model._fullshard_state.unit.mesh.device_mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=q.shape,
-            stride=q.stride(),
-        ).full_tensor()
+        assert isinstance(p.grad, DTensor), name  # gradients are DTensors like their parameters
+        full_grad = p.grad.full_tensor()
         diff = max(diff, (full_grad - q.grad / world).abs().max().item())
     return {"diff": diff, "reduces_before_last": reduces_before_last}
 
@@ -100,13 +96,13 @@ def _manual(rank: int, world: int) -> dict:
     ref = ToyLM(n_blocks=3)
     model = shard_toy(copy.deepcopy(ref))
     block = model.blocks[0]
-    shard_shape = tuple(block.fc1.weight.shape)
+    shard_shape = tuple(block.fc1.weight.to_local().shape)  # a DTensor: the rank's rows
     handle = block.unshard(async_op=True)
     assert handle is not None
     handle.wait()
     gathered_ok = torch.equal(block.fc1.weight, ref.blocks[0].fc1.weight)
     block.reshard()
-    back_shape = tuple(block.fc1.weight.shape)
+    back_shape = tuple(block.fc1.weight.to_local().shape)
     # explicit prefetch lists: training still matches the implicit schedule bit for bit
     blocks = list(model.blocks)
     for i, b in enumerate(blocks):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from commcount import RS, C10dCounter
 from harness import run_ranks
+from torch.distributed.tensor import DTensor
 from toy import ToyLM, batches, loss_of, shard_toy
 
 from fullshard.observe.memory import CATEGORIES, MemoryTracker
@@ -41,9 +42,12 @@ def _record(rank: int, world: int) -> dict:
     shards = sum(
         u.shard_flat.numel() * u.shard_flat.element_size() for u in root_schedule(model).units
     )
-    adam = sum(
-        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0
-    )
+    local = [
+        t.to_local() if isinstance(t, DTensor) else t
+        for s in opt.state.values()
+        for t in s.values()
+    ]
+    adam = sum(t.numel() * t.element_size() for t in local if t.dim() > 0)  # this rank's bytes
     return {
         "units": units,
         "forward_units": sorted(e.unit for e in by("compute", "forward")),

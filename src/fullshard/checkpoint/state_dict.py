@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.dist.control import broadcast_tensor
 from fullshard.engine.api import FSDPModule
-from fullshard.engine.param import ShardedParam
-from fullshard.engine.state_dict_hooks import contiguous_stride, to_local_shard
+from fullshard.engine.param import ShardedParam, as_dtensor
+from fullshard.engine.state_dict_hooks import to_local_shard
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError
 from fullshard.shard.layout import chunk_of
@@ -58,19 +58,14 @@ def _param_index(model: nn.Module) -> dict[int, tuple[str, CommUnit | None, int]
     return out
 
 
-def _to_dtensor(value: Any, unit: CommUnit, sp: ShardedParam) -> Any:
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+def _to_dtensor(value: Any, sp: ShardedParam) -> Any:
+    """Optimizer state of a sharded parameter as a DTensor of its layout (state made by a torch
+    optimizer over DTensor parameters already is one; a plain shard-shaped tensor is wrapped)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0:
         return value
-    if value.shape != sp.sharded.shape:
+    if value.shape != sp.local.shape:
         return value  # not shaped like the parameter (e.g. factored state): keep as it is
-    return DTensor.from_local(
-        value,
-        unit.mesh.device_mesh,
-        list(unit.mesh.placements),
-        run_check=False,
-        shape=sp.shape,
-        stride=contiguous_stride(sp.shape),
-    )
+    return as_dtensor(value, sp.sharded)
 
 
 def _init_optim_state(opt: torch.optim.Optimizer) -> None:
@@ -125,7 +120,7 @@ def get_state_dict(
                 if state is None:
                     continue
                 if unit is not None:
-                    state = {k: _to_dtensor(v, unit, unit.params[i]) for k, v in state.items()}
+                    state = {k: _to_dtensor(v, unit.params[i]) for k, v in state.items()}
                 optim_sd["state"][fqn] = state
             optim_sd["param_groups"].append(
                 {**{k: v for k, v in native_group.items() if k != "params"}, "params": fqns}
@@ -134,15 +129,16 @@ def get_state_dict(
 
 
 def _local(value: Any, unit: CommUnit | None, index: int, key: str) -> Any:
+    """A saved state tensor in this rank's layout: a DTensor like the parameter for
+    parameter-shaped state (any saved layout), as it is otherwise."""
     if not isinstance(value, torch.Tensor):
         return value
     if unit is None:
         return value.full_tensor() if isinstance(value, DTensor) else value
-    if value.dim() == 0 or (
-        not isinstance(value, DTensor) and value.shape != unit.params[index].shape
-    ):
+    sp = unit.params[index]
+    if value.dim() == 0 or (not isinstance(value, DTensor) and value.shape != sp.shape):
         return value
-    return to_local_shard(unit, index, value, key)
+    return as_dtensor(to_local_shard(unit, index, value, key).to(sp.local.device), sp.sharded)
 
 
 def set_state_dict(
@@ -233,7 +229,7 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, Any] | Non
                 full = torch.empty(sp.shape, dtype=sp.sharded.dtype, device=unit.mesh.device)
             broadcast_tensor(full, 0, what=f"broadcast_from_rank0 of '{key}'")
             with torch.no_grad():
-                sp.sharded.copy_(chunk_of(full, unit.mesh.world_size, unit.mesh.rank))
+                sp.local.copy_(chunk_of(full, unit.mesh.world_size, unit.mesh.rank))
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if name in managed or t.is_meta:

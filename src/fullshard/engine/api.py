@@ -235,7 +235,7 @@ def fully_shard(
     entries = list(found.values())
     check_same_model(unit_name, signature(entries), info)
     params = [
-        ShardedParam(fqns, refs, i, p.shape, p.requires_grad)
+        ShardedParam(fqns, refs, i, p.shape, p.requires_grad, info)
         for i, (fqns, p, refs) in enumerate(entries)
     ]
     unit = CommUnit(

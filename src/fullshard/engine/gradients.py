@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from fullshard.dist.collectives import all_reduce
 from fullshard.dist.mesh import default_timeout
@@ -39,10 +40,15 @@ def _groups(
     return out
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own tensor of a DTensor (a sharded gradient), or ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined,no-any-return]
+
+
 def _local(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """This rank's contribution: max |g| for the inf-norm, else sum of |g|^p (in float64)."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
+    for g in map(_plain, grads):
         if g.numel() == 0:
             continue  # an empty shard (more ranks than rows) contributes nothing
         if math.isinf(norm_type):
@@ -82,7 +88,10 @@ def clip_grad_norm_(
         total = torch.maximum(total, part) if inf else total + part
     rest = [p.grad for p in with_grad if id(p) not in sharded_ids and p.grad is not None]
     if rest:
-        part = _local(rest, norm_type, device)
+        # not ours: replicated tensors count once; other DTensors (tensor parallel) are whole
+        part = _local(
+            [g.full_tensor() if isinstance(g, DTensor) else g for g in rest], norm_type, device
+        )
         total = torch.maximum(total, part) if inf else total + part
     norm = total if inf else total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
@@ -90,7 +99,8 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in with_grad:
         assert p.grad is not None
-        p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+        grad = _plain(p.grad)
+        grad.detach().mul_(coef.to(grad.device, grad.dtype))
     return norm.to(
         with_grad[0].grad.dtype if with_grad and with_grad[0].grad is not None else torch.float32
     )

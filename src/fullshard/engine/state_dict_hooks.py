@@ -1,13 +1,14 @@
 """Module state-dict hooks (layer 8, the DTensor boundary): DTensor shards out, any layout in.
 
-``module.state_dict()`` yields every managed parameter as a ``DTensor`` placed ``Shard(0)`` on the
-unit's mesh, wrapping the rank's shard *without copying or communicating*: the DTensor's local
-tensor is the shard itself, so ``torch.distributed.checkpoint.load`` writes straight into it and
-reshards across world sizes on its own.
+``module.state_dict()`` yields every managed parameter as its sharded DTensor (``Shard(0)`` on the
+unit's mesh, NOTE [Sharded parameters are DTensors]) *without copying or communicating*, also
+while the unit is gathered: the DTensor's local tensor is the shard itself, so
+``torch.distributed.checkpoint.load`` writes straight into it and reshards across world sizes.
 
 ``load_state_dict`` accepts, for each managed parameter, a DTensor (any placement/mesh: same
 layout is taken as is, anything else is redistributed), a full tensor (each rank keeps its rows)
-or a tensor that already has this rank's shard shape.
+or a tensor that already has this rank's shard shape; each becomes a DTensor of the parameter's
+layout, which ``nn.Module`` then copies into the shard.
 """
 
 from __future__ import annotations
@@ -18,34 +19,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fullshard.engine.param import as_dtensor
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError
 from fullshard.shard.layout import chunk_of, local_shape
 
 
-def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    """Row-major strides of ``shape`` (the global stride DTensor reports)."""
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
-def shard_as_dtensor(unit: CommUnit, index: int) -> DTensor:
-    """Parameter ``index`` of ``unit`` as a ``Shard(0)`` DTensor over the rank's own shard."""
-    p = unit.params[index]
-    return DTensor.from_local(
-        p.sharded.detach(),
-        unit.mesh.device_mesh,
-        list(unit.mesh.placements),
-        run_check=False,
-        shape=p.shape,
-        stride=contiguous_stride(p.shape),
-    )
-
-
 def to_local_shard(unit: CommUnit, index: int, value: Any, key: str) -> torch.Tensor:
+    """This rank's rows of ``value`` for parameter ``index`` of ``unit`` (see the module doc)."""
     p = unit.params[index]
     world, rank = unit.mesh.world_size, unit.mesh.rank
     want = local_shape(p.shape, world, rank)
@@ -80,21 +61,20 @@ def install_state_dict_hooks(module: nn.Module, unit: CommUnit) -> None:
 
     def save_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, meta: Any) -> None:
         unit.verdict.flush()  # a save reads the desync verdict first (NOTE [Reading the verdict])
-        for i, p in enumerate(unit.params):
-            dt = None
+        for p in unit.params:
             for fqn in p.fqns:
-                key = prefix + fqn
-                if key in sd:
-                    dt = dt if dt is not None else shard_as_dtensor(unit, i)
-                    sd[key] = dt
+                if prefix + fqn in sd:
+                    sd[prefix + fqn] = p.sharded.detach()  # the shard, even while gathered
 
     def load_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, *args: Any) -> None:
         unit.reshard()  # loading writes the shards; the modules must be showing them
+        unit.refresh_shards()  # adopt parameters replaced since (to_empty, load with assign)
         for i, p in enumerate(unit.params):
             for fqn in p.fqns:
                 key = prefix + fqn
                 if key in sd:
-                    sd[key] = to_local_shard(unit, i, sd[key], key)
+                    local = to_local_shard(unit, i, sd[key], key)
+                    sd[key] = as_dtensor(local.to(p.local.device, p.local.dtype), p.sharded)
 
     module.register_state_dict_post_hook(save_hook)
     module.register_load_state_dict_pre_hook(load_hook)

@@ -239,7 +239,7 @@ class CommUnit:
             return True
         start = self.shard_flat.data_ptr() if not self.shard_flat.is_meta else -1
         for i, p in enumerate(self.params):
-            t = p.sharded
+            t = p.local
             if t.is_meta != self.shard_flat.is_meta or t.device != self.shard_flat.device:
                 return True
             if t.is_meta or t.numel() == 0:
@@ -255,13 +255,13 @@ class CommUnit:
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 view = self.layout.shard_view(flat, i, rank)
-                if p.sharded.shape != view.shape:
+                if p.local.shape != view.shape:
                     raise FullshardError(
                         f"rank {rank}: sharded parameter '{p.fqn}' of unit '{self.name}' has shape "
-                        f"{tuple(p.sharded.shape)}, expected {tuple(view.shape)} ({world} ranks). "
+                        f"{tuple(p.local.shape)}, expected {tuple(view.shape)} ({world} ranks). "
                         "Do not replace sharded parameters with tensors of another shape."
                     )
-                view.copy_(p.sharded.detach())
+                view.copy_(p.local.detach())
                 p.set_sharded_data(view)
         self.shard_flat = flat
         self._build_storage()
@@ -406,10 +406,7 @@ class CommUnit:
                 g = layout.shard_view(shard, j, rank)
                 if g.dtype != p.sharded.dtype:
                     g = g.to(p.sharded.dtype)
-                if p.sharded.grad is None:
-                    p.sharded.grad = g
-                else:
-                    p.sharded.grad += g
+                p.add_grad(g)  # a DTensor gradient over these rows
         if side:
             # rule 3: compute waits before the packed input (and the gradients) may be reused
             s.compute_waits(s.record(s.reduce))

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fullshard.engine.schedule import Point, StepSchedule
 from fullshard.engine.unit import CommUnit
@@ -43,6 +44,8 @@ PHASES = ("forward", "backward", "optimizer")
 def _unique_bytes(tensors: Any) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
+        if isinstance(t, DTensor):
+            t = t._local_tensor  # sharded gradients and optimizer state: the rank's own bytes
         if isinstance(t, torch.Tensor) and t.numel() > 0:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()

@@ -44,6 +44,15 @@ def local_shape(shape: Sequence[int], world: int, rank: int) -> torch.Size:
     return torch.Size([local_rows(shape[0], world, rank), *shape[1:]])
 
 
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (the global stride a DTensor reports)."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
 def chunk_of(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s dim-0 rows of ``full`` (a view, possibly empty)."""
     chunk = chunk_rows(full.shape[0], world)
