@@ -4,7 +4,12 @@ Swap ``from torch.distributed.fsdp import fully_shard`` for ``from fullshard imp
 """
 
 from fullshard.checkpoint.state_dict import broadcast_from_rank0, get_state_dict, set_state_dict
-from fullshard.engine.api import FSDPModule, UnshardHandle, fully_shard
+from fullshard.engine.api import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from fullshard.engine.gradients import ShardedGradScaler, clip_grad_norm_
 from fullshard.engine.parallelize import parallelize
 from fullshard.policies import (
@@ -30,5 +35,6 @@ __all__ = [
     "get_state_dict",
     "set_state_dict",
     "parallelize",
+    "register_fsdp_forward_method",
 ]
 __version__ = "0.1.0"

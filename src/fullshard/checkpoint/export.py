@@ -23,16 +23,17 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fullshard.dist.collectives import all_gather
 from fullshard.engine.api import FSDPModule
+from fullshard.engine.shards import ShardGroup
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError
 
 
-def _gather_unit(unit: CommUnit) -> torch.Tensor:
-    """The unit's parameters in master dtype, parameter-major (NOTE [Flat unit layout])."""
-    send = unit.shard_flat.to(unit.mesh.device)
+def _gather_group(unit: CommUnit, group: ShardGroup) -> torch.Tensor:
+    """One dtype group's parameters in master dtype, parameter-major (NOTE [Flat unit layout])."""
+    send = group.flat.to(unit.mesh.device)
     if unit.mesh.world_size == 1:
         return send
-    gathered = torch.empty(unit.layout.total_numel, dtype=send.dtype, device=send.device)
+    gathered = torch.empty(group.layout.total_numel, dtype=send.dtype, device=send.device)
     all_gather(
         gathered,
         send,
@@ -43,7 +44,7 @@ def _gather_unit(unit: CommUnit) -> torch.Tensor:
         timeout=unit.mesh.timeout,
     ).wait()
     param_major = torch.empty_like(gathered)
-    unit.layout.copy_out(gathered, param_major)
+    group.layout.copy_out(gathered, param_major)
     return param_major
 
 
@@ -59,13 +60,14 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
         if not isinstance(module, FSDPModule):
             continue
         unit = module._fullshard_state.unit
-        flat = _gather_unit(unit)
-        if keep:
-            for i, p in enumerate(unit.params):
-                full = unit.layout.gathered_view(flat, i).detach().to("cpu", copy=True)
-                for fqn in p.fqns:
-                    out[f"{prefix}.{fqn}" if prefix else fqn] = full
-        del flat
+        for group in unit.groups:  # one unless the unit mixes dtypes
+            flat = _gather_group(unit, group)
+            if keep:
+                for i, p in enumerate(group.params):
+                    full = group.layout.gathered_view(flat, i).detach().to("cpu", copy=True)
+                    for fqn in p.fqns:
+                        out[f"{prefix}.{fqn}" if prefix else fqn] = full
+            del flat
     if keep:
         managed = set(out)
         for key, value in model.state_dict().items():

@@ -58,6 +58,15 @@ class MeshInfo:
         """DTensor placements of a sharded parameter on ``device_mesh``."""
         return (Shard(0),) if self.replicate_group is None else (Replicate(), Shard(0))
 
+    def post_forward_group(self, size: int) -> tuple[dist.ProcessGroup, int]:
+        """The group of ``size`` consecutive ranks of this mesh that this rank belongs to, and its
+        rank there: FSDP2's post-forward mesh (the mesh's ranks viewed as rows of ``size``).
+        Every rank of the mesh must call it (it creates the groups)."""
+        ranks = self.device_mesh.mesh.reshape(-1, size)
+        sub = DeviceMesh(self.device.type, ranks, mesh_dim_names=("outer", "post_forward"))
+        group = sub.get_group("post_forward")
+        return group, dist.get_rank(group)
+
     @property
     def data_parallel_size(self) -> int:
         """How many ranks see different data: gradients are averaged over this many."""

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fullshard.dist.mesh import mesh_info
+from fullshard.dist.mesh import MeshInfo, mesh_info
+from fullshard.engine.collect import (
+    check_ignored,
+    check_modules,
+    check_params,
+    collect,
+    param_device,
+)
 from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, signature
+from fullshard.engine.cpu_rng import install_cpu_shard_rng
 from fullshard.engine.hooks import FSDPState
 from fullshard.engine.param import ShardedParam
 from fullshard.engine.state_dict_hooks import install_state_dict_hooks
@@ -38,6 +47,21 @@ class FSDPModule:
 
     _fullshard_state: FSDPState
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A container indexed by a slice builds ``type(self)(...)``: build the original class
+        # then, not an FSDP module without a unit (FSDP2 does the same).
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig)  # type: ignore[call-overload]
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise FullshardError(
+            "a module passed to fully_shard cannot be deep-copied (its parameters are shards of "
+            "one flat buffer per unit, as in FSDP2); copy the model before fully_shard, or move "
+            "weights with state_dict()/load_state_dict()."
+        )
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this unit's parameters now (``async_op=True``: return a handle to wait on)."""
         unit = self._fullshard_state.unit
@@ -55,28 +79,66 @@ class FSDPModule:
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
-        """``False``: skip the reduce-scatter and keep accumulating full local gradients.
+        """``False``: skip the reduce-scatter (and HSDP all-reduce) and keep accumulating full
+        local gradients, in the reduce dtype.
 
         Use it for gradient accumulation: off for the first k-1 micro-batches, on for the last,
         whose backward then reduce-scatters the accumulated sum.
         """
-        for state in self._states(recurse):
-            state.unit.requires_grad_sync = requires_gradient_sync
+        for unit in self._units(recurse):
+            unit.requires_grad_sync = requires_gradient_sync
+            unit.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters every micro-batch but accumulates the result instead
+        of all-reducing it across replicas; the next backward with ``True`` all-reduces the sum
+        (gradient accumulation with less communication)."""
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         """Whether to free gathered parameters after backward (default ``True``)."""
-        for state in self._states(recurse):
-            state.unit.reshard_after_backward = reshard_after_backward
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool, *, recurse: bool = True
-    ) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free gathered parameters after forward (FULL_SHARD) or keep them (ZeRO-2)."""
         for state in self._states(recurse):
             state.reshard_after_forward_arg = reshard_after_forward
             state.unit.reshard_after_forward = reshard_after_forward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: do not gather this unit in backward, for units whose backward needs no
+        parameter (an embedding). Its gradients are still reduce-scattered."""
+        self._fullshard_state.unit.unshard_in_backward = unshard_in_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's summed gradients by ``factor`` instead of the data-parallel size
+        (``1.0``: a plain sum)."""
+        if not factor > 0:
+            raise FullshardError(
+                f"set_gradient_divide_factor needs a positive factor, got {factor}"
+            )
+        self._fullshard_state.unit.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False``: the next backward is not the last of the step, so its end does not wait
+        for gradient reductions in flight (the following backward or forward does)."""
+        root = self._root_state()
+        root.is_last_backward = is_last_backward
+        if root.schedule is not None:
+            root.schedule.is_last_backward = is_last_backward
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next forward's all-gathers wait for ``event`` (recorded after the optimizer step)
+        instead of for everything the current stream has queued. Set a new event every step."""
+        self._root_state().post_optim_event = event
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these units when this one starts its forward (replaces implicit prefetch)."""
@@ -86,12 +148,31 @@ class FSDPModule:
         """Gather these units when this one starts its backward (replaces implicit prefetch)."""
         self._explicit("explicit_backward", modules)
 
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # .to(), .cuda(), to_empty(): show the shards first, and put the (possibly new) shard
+        # tensors back into one flat buffer at once, as FSDP2 re-pads its shards here
+        unit = self._fullshard_state.unit
+        unit.reshard()
+        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        unit.refresh_shards()
+        return out
+
     # -- helpers --------------------------------------------------------------------------
     def _states(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
             return [self._fullshard_state]
         assert isinstance(self, nn.Module)
-        return [m._fullshard_state for m in self.modules() if isinstance(m, FSDPModule)]
+        states = [m._fullshard_state for m in self.modules() if isinstance(m, FSDPModule)]
+        return list({id(s): s for s in states}.values())  # a list unit's modules share one
+
+    def _units(self, recurse: bool) -> list[CommUnit]:
+        return [s.unit for s in self._states(recurse)]
+
+    def _root_state(self) -> FSDPState:
+        state = self._fullshard_state
+        while state.parent is not None:
+            state = state.parent
+        return state
 
     def _explicit(self, attr: str, modules: list[FSDPModule]) -> None:
         for m in modules:
@@ -122,140 +203,126 @@ def _fsdp_class(cls: type) -> type:
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
 
 
-_Found = dict[int, tuple[list[str], nn.Parameter, list[tuple[nn.Module, str]]]]
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` gather and free the unit like ``forward`` does (e.g.
+    ``generate``, which calls the submodules without going through ``forward``). A no-op for a
+    module that is not an :class:`FSDPModule`, so the same code runs with and without FSDP."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise FullshardError(f"{type(module).__name__} has no method {method_name!r}")
+    original = getattr(module, method_name)
+    state = module._fullshard_state
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        assert isinstance(module, nn.Module)
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        return state.post_forward(module, args, original(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
 
 
-def _collect_params(module: nn.Module) -> tuple[_Found, list[FSDPState]]:
-    """Parameters this unit manages (not those of nested units), grouped by object identity."""
-    found: _Found = {}
-    children: list[FSDPState] = []
-    seen: set[tuple[int, str]] = set()
-
-    def visit(mod: nn.Module, prefix: str) -> None:
-        for name, p in mod._parameters.items():
-            if p is None or (id(mod), name) in seen:
-                continue
-            seen.add((id(mod), name))
-            entry = found.setdefault(id(p), ([], p, []))
-            entry[0].append(prefix + name)
-            entry[2].append((mod, name))
-        for cname, child in mod._modules.items():
-            if child is None:
-                continue
-            if isinstance(child, FSDPModule):
-                if child._fullshard_state not in children:
-                    children.append(child._fullshard_state)
-                continue
-            visit(child, f"{prefix}{cname}.")
-
-    visit(module, "")
-    return found, children
+def _reshard_arg(value: bool | int | None, info: MeshInfo, unit: str) -> bool | int | None:
+    """FSDP2's ``reshard_after_forward``: a bool, None, or the group size to reshard to after
+    forward (an int dividing the shard group: 1 keeps the parameters, the group size is True)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise FullshardError(
+            f"reshard_after_forward for {unit} must be a bool, None or an int, not {value!r}"
+        )
+    n = info.world_size
+    if value < 1 or value > n or n % value:
+        raise FullshardError(
+            f"reshard_after_forward={value} for {unit} must divide the shard group size {n} "
+            f"(rank {info.rank}): pass one of {[d for d in range(1, n + 1) if n % d == 0]}, "
+            "e.g. the number of GPUs per node, or a bool."
+        )
+    if value == 1:
+        return False  # resharding to one rank keeps the whole unit, as FSDP2 reads it
+    if value == n:
+        return True
+    return value
 
 
-def _param_device(found: _Found) -> torch.device | None:
-    """Where the unit's parameters are now (None: none, or on the meta device)."""
-    for _fqns, p, _refs in found.values():
-        return None if p.is_meta else p.device
-    return None
-
-
-def _check_params(
-    found: _Found, children: list[FSDPState], unit_name: str, module: nn.Module
-) -> None:
-    child_path = {id(m): name for name, m in module.named_modules() if isinstance(m, FSDPModule)}
-    for fqns, p, _refs in found.values():
-        fqn = fqns[0]
-        owner = getattr(p, "_fullshard_unit", None)
-        if owner is not None:
-            raise FullshardError(
-                f"parameter '{fqn}' of {unit_name} is already sharded by unit "
-                f"'{owner.name}'. Call fully_shard on inner modules first, then on the "
-                "outer ones, and on each module once."
-            )
-        for child in children:
-            other = child.originals.get(id(p))
-            if other is not None and other[1]() is p:
-                path = child_path.get(id(child.module), type(child.module).__name__)
-                raise FullshardError(
-                    f"parameter '{fqn}' of {unit_name} is tied to '{path}.{other[0]}' of the "
-                    f"nested unit '{path}'; tied parameters must live in one unit. Do not call "
-                    f"fully_shard on '{path}' on its own (its parent's unit will hold both), or "
-                    "untie the weights."
-                )
-        if p.dim() == 0:
-            raise FullshardError(
-                f"parameter '{fqn}' of {unit_name} is 0-dim; fullshard shards along dim 0. "
-                "Make it shape (1,) (e.g. nn.Parameter(t.reshape(1))) before fully_shard."
-            )
-        if not (p.is_floating_point() or p.is_complex()):
-            raise FullshardError(
-                f"parameter '{fqn}' of {unit_name} has dtype {p.dtype}; only floating-point "
-                "parameters can be sharded and trained. Register it as a buffer instead."
-            )
+def bool_or_none(value: bool | int | None) -> bool | None:
+    return None if value is None else bool(value)
 
 
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy | None = None,
-) -> nn.Module:
+    ignored_params: set[nn.Parameter] | None = None,
+) -> Any:
     """Shard ``module``'s parameters over ``mesh`` and gather them around its forward/backward.
 
     Call it on each block first, then on the root model; build the optimizer afterwards.
-    ``module.parameters()`` then yields each rank's dim-0 shard; the module's class becomes a
-    subclass of :class:`FSDPModule`.
+    ``module.parameters()`` then yields DTensors (``Shard(0)``; ``(Replicate(), Shard(0))`` on a
+    2-D mesh) whose local tensors are this rank's rows; the module's class becomes a subclass
+    of :class:`FSDPModule`.
 
     Args:
-        module: the module (a one-element list is accepted too).
-        mesh: 1-D ``DeviceMesh`` to shard over; ``None`` = the default process group.
+        module: the module, or a list of modules that form one unit (gathered and
+            reduce-scattered together; FSDP2's grouping).
+        mesh: ``DeviceMesh`` to shard over: 1-D (shard) or 2-D (replicate, shard) for hybrid
+            sharding; ``None`` = the default process group.
         reshard_after_forward: free gathered parameters after forward (``True``, FULL_SHARD) or
-            keep them for backward (``False``, SHARD_GRAD_OP). ``None``: ``True`` for every unit
-            except the root, which backward needs first anyway.
-        mp_policy: dtypes for gather/compute and gradient reduction.
+            keep them for backward (``False``, SHARD_GRAD_OP); an ``int`` keeps a copy sharded
+            over that many ranks, so backward gathers within that smaller group (e.g. a node).
+            ``None``: ``True`` for every unit except the root, which backward needs first.
+        mp_policy: dtypes for gather/compute, gradient reduction and outputs (FSDP2's).
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and the optimizer step on CPU.
+        ignored_params: parameters of the module(s) to leave alone: not sharded, not moved,
+            their gradients not reduced.
+
+    Returns:
+        ``module`` (the list, for a list), changed in place.
     """
-    if isinstance(module, list):
-        if len(module) != 1:
-            raise FullshardError(
-                f"fully_shard got a list of {len(module)} modules; grouping several modules into "
-                "one unit is not supported yet. Put them under one parent module and shard that."
-            )
-        module = module[0]
-    unit_name = f"unit {type(module).__name__}"
-    if isinstance(module, FSDPModule):
-        raise FullshardError(
-            f"{unit_name} was already passed to fully_shard; wrap each module once."
-        )
-    found, children = _collect_params(module)
-    info = mesh_info(mesh, _param_device(found), unit_name)
-    _check_params(found, children, unit_name, module)
-    entries = list(found.values())
+    modules = list(module) if isinstance(module, list) else [module]
+    check_modules(modules)
+    unit_name = "unit " + "+".join(type(m).__name__ for m in modules)
+    ignored = list(ignored_params or ())
+    check_ignored(modules, ignored, unit_name)
+    found, children = collect(modules, ignored)
+    info = mesh_info(mesh, param_device(found), unit_name)
+    if info.device.type == "cpu":
+        install_cpu_shard_rng()  # NOTE [Init after sharding]
+    raf = _reshard_arg(reshard_after_forward, info, unit_name)
+    check_params(found, children, unit_name, modules)
+    entries = [(f.fqns, f.param, f.refs) for f in found]
     check_same_model(unit_name, signature(entries), info)
     params = [
-        ShardedParam(fqns, refs, i, p.shape, p.requires_grad, info)
-        for i, (fqns, p, refs) in enumerate(entries)
+        ShardedParam(f.fqns, f.refs, i, f.param.shape, f.param.requires_grad, info, f.owner)
+        for i, f in enumerate(found)
     ]
     unit = CommUnit(
-        type(module).__name__,
-        module,
+        type(modules[0]).__name__,
+        modules[0],
         params,
-        [p for _, p, _ in entries],
+        [f.param for f in found],
         info,
         mp_policy,
         offload_policy,
     )
+    if isinstance(raf, int) and not isinstance(raf, bool):
+        unit.set_post_forward_group(raf)
     for sp in params:
         sp.sharded._fullshard_unit = unit  # type: ignore[attr-defined]
         sp.expose(unsharded=False)
-    state = FSDPState(module, unit, reshard_after_forward)
-    state.originals = {id(p): (fqns[0], weakref.ref(p)) for fqns, p, _ in entries}
-    OPTIMIZER_GUARD.track([(fqns[0], p) for fqns, p, _ in entries])
-    install_state_dict_hooks(module, unit)
+    # an int reshards after forward too, to the smaller group (CommUnit.set_post_forward_group)
+    state = FSDPState(modules, unit, True if unit.post_forward is not None else bool_or_none(raf))
+    state.originals = {id(f.param): (f.fqns[0], weakref.ref(f.param)) for f in found}
+    OPTIMIZER_GUARD.track([(f.fqns[0], f.param) for f in found])
+    for i, m in enumerate(modules):
+        install_state_dict_hooks(m, unit, owner=i)
     for child in children:
         child.parent = state
-    module._fullshard_state = state  # type: ignore[assignment]
-    module.__class__ = _fsdp_class(type(module))  # type: ignore[arg-type]
+    for m in modules:
+        m._fullshard_state = state  # type: ignore[assignment]
+        m.__class__ = _fsdp_class(type(m))  # type: ignore[arg-type]
     return module

@@ -47,24 +47,38 @@ class _PostBackwardInputs(torch.autograd.Function):
 
 
 class FSDPState:
-    """The per-module state of one ``fully_shard`` call: its unit, its hooks, its root."""
+    """The state of one ``fully_shard`` call: its unit, its hooks, its root.
 
-    def __init__(self, module: nn.Module, unit: CommUnit, reshard_after_forward: bool | None):
-        self.module = module
+    A call on a list of modules (one unit) registers its hooks on every module of the list; the
+    unit is gathered when the first of them starts forward, and its forward is over (freed,
+    backward hooks registered) when every module that started has finished, as in FSDP2.
+    """
+
+    def __init__(
+        self, modules: list[nn.Module], unit: CommUnit, reshard_after_forward: bool | None
+    ) -> None:
+        self.modules = modules
+        self.module = modules[0]
         self.unit = unit
         self.reshard_after_forward_arg = reshard_after_forward
         self.parent: FSDPState | None = None
         self.schedule: StepSchedule | None = None
         self.is_root = False
+        # root only: FSDPModule.set_is_last_backward / set_post_optim_event
+        self.is_last_backward = True
+        self.post_optim_event: torch.Event | None = None
+        self._to_run: set[int] = set()  # modules of the list still to finish this forward
         # weak references to this step's input nodes (NOTE [Post-backward events])
         self._input_nodes: list[weakref.ref[Node]] = []
         self._events: tuple[int, list[int]] | None = None  # (graph task, [seen, expected])
         # id -> (fqn, weakref) of the original parameters, to catch ties across units
         self.originals: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-            module.register_forward_hook(self._post_forward, prepend=False),
-        ]
+        self._handles = []
+        for m in modules:
+            self._handles += [
+                m.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
+                m.register_forward_hook(self.post_forward, prepend=False),
+            ]
         for p in unit.trainable:
             assert p.unsharded is not None
             p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
@@ -84,8 +98,8 @@ class FSDPState:
         states: list[FSDPState] = []
         for name, sub in self.module.named_modules():
             st: FSDPState | None = getattr(sub, "_fullshard_state", None)
-            if st is None:
-                continue
+            if st is None or st in states:
+                continue  # a list unit's modules share one state
             if st.schedule is not None:
                 raise FullshardError(
                     f"unit '{name}' already belongs to another root; each module may be under "
@@ -97,6 +111,7 @@ class FSDPState:
             st.unit.refresh_shards()
         _check_materialized(states)
         schedule = StepSchedule(self.unit, [st.unit for st in states])
+        schedule.is_last_backward = self.is_last_backward
         for st in states:
             st.schedule = schedule
             raf = st.reshard_after_forward_arg
@@ -104,9 +119,11 @@ class FSDPState:
         self.is_root = True
 
     # -- forward --------------------------------------------------------------------------
-    def _pre_forward(
+    def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Gather the unit (the first module of a list unit to run), cast inputs, register the
+        post-backward events on them. Also the pre-half of ``register_fsdp_forward_method``."""
         if _recomputing():
             assert self.schedule is not None
             self.schedule.pre_recompute(self.unit)
@@ -114,9 +131,12 @@ class FSDPState:
             return self._register_post_backward(args, kwargs)
         self.lazy_init()
         assert self.schedule is not None
-        if self.is_root:
-            self.schedule.begin_forward()
-        self.schedule.pre_forward(self.unit)
+        if not self._to_run:  # the first module of the unit this forward
+            self._to_run = {id(m) for m in self.modules}
+            if self.is_root:
+                self.schedule.begin_forward(self.post_optim_event)
+                self.post_optim_event = None
+            self.schedule.pre_forward(self.unit)
         mp = self.unit.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -124,16 +144,20 @@ class FSDPState:
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
-    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Cast the output; when the unit's last running module is done, free it (as asked)."""
         if _recomputing():
             return output  # the unit's backward is about to use these parameters: keep them
         assert self.schedule is not None
         grad = torch.is_grad_enabled()
-        self.schedule.post_forward(self.unit, self.unit.reshard_after_forward or not grad)
         if self.unit.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.unit.mp_policy.output_dtype)
         if grad:
             self._register_pre_backward(output)
+        self._to_run.discard(id(module))
+        if self._to_run:
+            return output  # other modules of this unit are still to run
+        self.schedule.post_forward(self.unit, self.unit.reshard_after_forward or not grad, grad)
         if self.is_root:
             self.schedule.end_forward(grad)
         return output

@@ -116,6 +116,7 @@ class ShardedParam:
         shape: torch.Size,
         requires_grad: bool,
         mesh: Any,  # MeshInfo (its device_mesh and placements)
+        owner: int = 0,
     ) -> None:
         self.fqns = fqns  # one per ref, relative to the unit's module
         self.fqn = fqns[0]
@@ -124,6 +125,7 @@ class ShardedParam:
         self.shape = shape
         self.requires_grad = requires_grad
         self.mesh = mesh
+        self.owner = owner  # which module of a list given to fully_shard holds it
         self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by set_sharded_data
         self.unsharded: nn.Parameter | None = None
 

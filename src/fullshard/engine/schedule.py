@@ -70,11 +70,10 @@ class StepSchedule:
         self.verdict = Verdict()
         self.verdict.names = self.stats.names
         for i, unit in enumerate(units):
-            unit.comm.stats = self.stats  # one set of counters per root, split by unit name
-            unit.register(i)  # NOTE [Collective positions]: the index every rank shares
+            # one set of counters per root (split by unit name), one verdict, and the index
+            # every rank shares (NOTE [Collective positions])
+            unit.bind(self.stats, self.verdict, i)
             self.stats.names[i] = unit.name
-            self.verdict.take(unit.verdict)  # checks of gathers issued before the root existed
-            unit.verdict = self.verdict
         self.prefetcher = Prefetcher(root)
         self.prefetcher.units = units
         self.step = 0
@@ -85,17 +84,25 @@ class StepSchedule:
         self.backward_done: set[CommUnit] = set()
         self.forwarded: set[CommUnit] = set()
         self.listeners: list[Listener] = []
+        self.is_last_backward = True  # FSDPModule.set_is_last_backward
 
     def _emit(self, point: Point, unit: CommUnit) -> None:
         for listener in self.listeners:
             listener(point, unit)
 
     # -- forward --------------------------------------------------------------------------
-    def begin_forward(self) -> None:
-        """Root pre-forward: a new forward pass (and, when grad is on, a new step) starts."""
+    def begin_forward(self, post_optim_event: torch.Event | None = None) -> None:
+        """Root pre-forward: a new forward pass (and, when grad is on, a new step) starts.
+
+        ``post_optim_event`` (``set_post_optim_event``): the gathers wait for it instead of for
+        everything the compute stream has queued."""
         self._finish_all_reduces()
         self.verdict.poll()  # the last step's checks, read once their copy has landed
-        self.root.streams.gather_ready()  # NOTE [Streams and buffer lifetimes], rule 1
+        streams = self.root.streams
+        if post_optim_event is not None and streams.gather is not None:
+            streams.gather.wait_event(post_optim_event)
+        else:
+            streams.gather_ready()  # NOTE [Streams and buffer lifetimes], rule 1
         self.prefetcher.begin_forward()
         self.forwarded.clear()
 
@@ -110,11 +117,12 @@ class StepSchedule:
         """A forward recomputed inside backward (activation checkpointing) needs the unit."""
         unit.wait_for_unshard("recompute")
 
-    def post_forward(self, unit: CommUnit, reshard: bool) -> None:
+    def post_forward(self, unit: CommUnit, reshard: bool, grad_enabled: bool = True) -> None:
         self._emit(Point.FORWARD_END, unit)
         self.prefetcher.record_post_forward(unit)
         if reshard:
-            unit.reshard()
+            # a backward will come: a unit with a post-forward group keeps its rows there
+            unit.reshard(after_forward=grad_enabled)
             self._emit(Point.FREE, unit)
 
     def end_forward(self, grad_enabled: bool) -> None:
@@ -143,7 +151,8 @@ class StepSchedule:
         self.ensure_end_of_backward_callback()
         self.backward_started.add(unit)
         self.backward_done.discard(unit)
-        unit.wait_for_unshard("backward")
+        if unit.unshard_in_backward:
+            unit.wait_for_unshard("backward")
         self.prefetcher.prefetch(self.prefetcher.backward_targets(unit), "backward prefetch")
         self._emit(Point.BACKWARD_START, unit)
 
@@ -158,6 +167,8 @@ class StepSchedule:
                 self._reducing.pop(0).finish_reduce()
             unit.reduce_grads()
             self._reducing.append(unit)
+        elif unit.trainable:
+            unit.accumulate_unsynced()  # NOTE [Accumulating without sync]
         if unit.reshard_after_backward:
             unit.reshard()
             self._emit(Point.FREE, unit)
@@ -167,9 +178,11 @@ class StepSchedule:
         for unit in self.units:
             if unit in self.backward_started and unit not in self.backward_done:
                 self.post_backward(unit)
-        self._finish_all_reduces()
+        if self.is_last_backward:  # else the next backward or forward finishes them
+            self._finish_all_reduces()
         for unit in self.units:
             unit.sync_offloaded_grads()
+            unit.post_forward_shard = None  # kept for a backward that has now passed
             if unit.reshard_after_backward:
                 unit.reshard()
         self.verdict.close()

@@ -56,12 +56,14 @@ def to_local_shard(unit: CommUnit, index: int, value: Any, key: str) -> torch.Te
     )
 
 
-def install_state_dict_hooks(module: nn.Module, unit: CommUnit) -> None:
-    """Make ``module.state_dict()``/``load_state_dict()`` speak sharded DTensors for ``unit``."""
+def install_state_dict_hooks(module: nn.Module, unit: CommUnit, owner: int = 0) -> None:
+    """Make ``module.state_dict()``/``load_state_dict()`` speak sharded DTensors for ``unit``'s
+    parameters that ``module`` holds (module ``owner`` of a list given to fully_shard)."""
+    mine = [(i, p) for i, p in enumerate(unit.params) if p.owner == owner]
 
     def save_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, meta: Any) -> None:
         unit.verdict.flush()  # a save reads the desync verdict first (NOTE [Reading the verdict])
-        for p in unit.params:
+        for _, p in mine:
             for fqn in p.fqns:
                 if prefix + fqn in sd:
                     sd[prefix + fqn] = p.sharded.detach()  # the shard, even while gathered
@@ -69,7 +71,7 @@ def install_state_dict_hooks(module: nn.Module, unit: CommUnit) -> None:
     def load_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, *args: Any) -> None:
         unit.reshard()  # loading writes the shards; the modules must be showing them
         unit.refresh_shards()  # adopt parameters replaced since (to_empty, load with assign)
-        for i, p in enumerate(unit.params):
+        for i, p in mine:
             for fqn in p.fqns:
                 key = prefix + fqn
                 if key in sd:

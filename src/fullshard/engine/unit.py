@@ -1,9 +1,9 @@
 """One communication unit (layer 6): the parameters of one ``fully_shard`` call, and their whole
 lifecycle in one object, as FSDP2's ``FSDPParamGroup``: unshard (issue the all-gather), wait
-(copy out, show the gathered parameters), reshard (free), reduce gradients (reduce-scatter and
-accumulate into ``.grad``). The collectives themselves are pure functions over tensors
-(``fullshard.dist.collectives``), reached through the unit's bound ``Comm``; which stream runs
-what is NOTE [Streams and buffer lifetimes].
+(copy out, show the gathered parameters), reshard (free), and reduce gradients (reduce-scatter
+and accumulate into ``.grad``; those methods are in ``unit_reduce.py``). The collectives
+themselves are pure functions over tensors (``fullshard.dist.collectives``), reached through the
+unit's bound ``Comm``; which stream runs what is NOTE [Streams and buffer lifetimes].
 
 NOTE [Unit states]
 SHARDED --unshard--> GATHERING --wait_for_unshard--> GATHERED --reshard--> SHARDED.
@@ -11,15 +11,18 @@ While GATHERED the owning modules see the gathered parameters; otherwise they se
 Only ``wait_for_unshard`` and ``reshard`` swap what the modules see, so a module never sees a
 half-gathered unit.
 
-NOTE [Which gradients exist]
-Plain PyTorch leaves ``.grad`` None for a parameter no backward reached. A rank sets the sharded
-``.grad`` exactly where its own backward produced a gradient (missing ones are sent as zeros, so
-that every rank issues the same collective). That is exact when every rank's backward reaches
-the same parameters, which FSDP2 requires too; fullshard also checks it: each rank's block of the
-reduce-scatter carries one presence bit per parameter, and after the sum each must be 0 or the
-group size (NOTE [Collective positions]). A disagreement raises on every rank, naming the
-parameters, instead of leaving ranks whose shards silently diverge; deciding from the sums
-instead would need the host to read them every unit, every step.
+NOTE [Mixed-dtype units]
+Parameters of several dtypes in one unit (fp32 LoRA adapters on a bf16 base) form one
+``ShardGroup`` per dtype, each with its flat buffer and gathered storage. They still travel in
+one all-gather: the groups' (cast) shards are concatenated, in the compute dtype when the policy
+gives every group the same one, else as bytes (each group padded to 16 bytes so every dtype stays
+aligned). Gradients are reduced in one dtype, so a unit whose trainable parameters compute in
+different dtypes needs ``MixedPrecisionPolicy(reduce_dtype=...)``.
+
+NOTE [Resharding to a smaller group]
+``reshard_after_forward=k`` (an int, FSDP2's): after forward each rank keeps its rows of the
+unit sharded over k ranks (``post_forward_shard``: k consecutive ranks, e.g. one node), so
+backward all-gathers within that group only, for k times the memory of a full reshard.
 """
 
 from __future__ import annotations
@@ -36,14 +39,15 @@ from fullshard.dist.desync import (
     UNREGISTERED,
     Position,
     Verdict,
-    reduce_tag_row,
     tags_exact,
     write_dynamic_tag,
     write_static_tag,
 )
 from fullshard.dist.mesh import MeshInfo
 from fullshard.engine.param import GatheredStorage, ShardedParam
+from fullshard.engine.shards import ShardGroup
 from fullshard.engine.streams import Event, Streams, streams_for
+from fullshard.engine.unit_reduce import ReduceGrads, ReduceInFlight
 from fullshard.policies import (
     CPUOffloadPolicy,
     FullshardError,
@@ -80,22 +84,22 @@ class GatherInFlight:
 
     pending: Pending | None
     out: torch.Tensor | None  # rank-major output, allocated on the gather stream
-    send: torch.Tensor | None  # the (cast) shard the collective reads
+    send: torch.Tensor | None  # what the collective reads (a cast copy, or the shard itself)
     position: Position | None
+    post_forward: bool = False  # gathered over the post-forward group
 
 
 @dataclass
-class ReduceInFlight:
-    """A reduce-scatter between ``reduce_grads`` and ``finish_reduce``."""
+class PostForward:
+    """NOTE [Resharding to a smaller group]: the group, this rank in it, the unit's layout there."""
 
-    pending: Pending | None
-    out: torch.Tensor  # this rank's summed block (its shard, then the extra columns)
-    full: torch.Tensor  # the packed input, held until compute has waited for the collective
-    present: list[bool]
-    position: Position | None
+    size: int
+    rank: int
+    comm: Comm
+    layout: FlatLayout
 
 
-class CommUnit:
+class CommUnit(ReduceGrads):
     """The parameters of one ``fully_shard`` call, sharded over one group."""
 
     def __init__(
@@ -113,6 +117,8 @@ class CommUnit:
         self.mesh = mesh
         self.mp_policy = mp_policy
         self.comm = Comm(mesh.group, mesh.timeout, name, replicate_group=mesh.replicate_group)
+        self.post_forward: PostForward | None = None
+        self.post_forward_shard: torch.Tensor | None = None
         self.name = name
         self.index = UNREGISTERED  # set by the root (NOTE [Collective positions])
         self.verdict = Verdict()  # replaced by the root's
@@ -120,21 +126,9 @@ class CommUnit:
         self.state = UnitState.SHARDED
         self.reshard_after_forward = True
         self.reshard_after_backward = True
-        self.requires_grad_sync = True
+        self.unshard_in_backward = True
         self.gather_in_flight: GatherInFlight | None = None
-        self.reduce_in_flight: ReduceInFlight | None = None
         self._offload_event: Event | None = None
-
-        dtypes = {t.dtype for t in originals}
-        if len(dtypes) > 1:
-            raise FullshardError(
-                f"unit '{name}' mixes parameter dtypes {sorted(str(d) for d in dtypes)}; one "
-                "unit gathers in one dtype. Cast the module (module.to(dtype)) or call "
-                "fully_shard separately on the submodule whose parameters differ."
-            )
-        self.dtype = originals[0].dtype if originals else torch.float32
-        self.compute_dtype = mp_policy.param_dtype or self.dtype
-        self.reduce_dtype = mp_policy.reduce_dtype or self.dtype
         # CPUOffloadPolicy: shards, gradients and the optimizer step live on the CPU
         self.offload = isinstance(offload, CPUOffloadPolicy)
         self.shard_device = torch.device("cpu") if self.offload else mesh.device
@@ -143,15 +137,79 @@ class CommUnit:
             and offload.pin_memory
             and mesh.device.type == "cuda"
         )
-        world = mesh.world_size
-        # the tail carries the all-gather's position tags (NOTE [Collective positions])
-        self.layout = FlatLayout([p.shape for p in params], world, tail=TAG_LEN if world > 1 else 0)
+        self.groups = self._make_groups(params, originals)
         self.trainable = [p for p in params if p.requires_grad]
-        self.grad_layout = FlatLayout([p.shape for p in self.trainable], world)
+        self.reduce_dtype = self._reduce_dtype()
+        self.grad_layout = FlatLayout([p.shape for p in self.trainable], mesh.world_size)
         # reduce-scatter tags are exact in the reduce dtype up to a group size (desync.py)
-        self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
-        self.shard_flat = torch.zeros(0)
-        self.load_shards(originals)
+        self.reduce_tags = mesh.world_size > 1 and tags_exact(self.reduce_dtype, mesh.world_size)
+        self.init_reduce_state()
+        by_param = {id(p): g for g in self.groups for p in g.params}
+        for g in self.groups:
+            g.load([t for p, t in zip(params, originals, strict=True) if by_param[id(p)] is g])
+
+    def _make_groups(
+        self, params: list[ShardedParam], originals: list[torch.Tensor]
+    ) -> list[ShardGroup]:
+        """NOTE [Mixed-dtype units]: one group per dtype, widest first (alignment in bytes)."""
+        dtypes = sorted(
+            {t.dtype for t in originals}, key=lambda d: -torch.empty((), dtype=d).element_size()
+        ) or [torch.float32]
+        world = self.mesh.world_size
+        groups = []
+        for i, dtype in enumerate(dtypes):
+            members = [p for p, t in zip(params, originals, strict=True) if t.dtype == dtype]
+            compute = self.mp_policy.param_dtype or dtype
+            tail = TAG_LEN if world > 1 and i == 0 else 0  # the tag travels in the first group
+            g = ShardGroup(
+                members,
+                dtype,
+                compute,
+                self.mesh,
+                self.shard_device,
+                self.pin_memory,
+                tail,
+                align=len(dtypes) > 1,
+            )
+            g.unit_name = self.comm.unit
+            groups.append(g)
+        return groups
+
+    def _reduce_dtype(self) -> torch.dtype:
+        """FSDP2's rule: ``reduce_dtype``, else the dtype gradients are computed in."""
+        if self.mp_policy.reduce_dtype is not None:
+            return self.mp_policy.reduce_dtype
+        computed = {g.compute_dtype for g in self.groups if any(p.requires_grad for p in g.params)}
+        if len(computed) > 1:
+            raise FullshardError(
+                f"unit '{self.name}' has trainable parameters computed in "
+                f"{sorted(str(d) for d in computed)}; their gradients are reduced in one "
+                "collective of one dtype. Pass MixedPrecisionPolicy(reduce_dtype=torch.float32) "
+                "(or a param_dtype for the whole unit), or freeze the parameters of one dtype."
+            )
+        return computed.pop() if computed else self.groups[0].compute_dtype
+
+    # -- the single-dtype view most callers want ------------------------------------------
+    @property
+    def layout(self) -> FlatLayout:
+        """The first dtype group's layout (the unit's, unless it mixes dtypes)."""
+        return self.groups[0].layout
+
+    @property
+    def shard_flat(self) -> torch.Tensor:
+        return self.groups[0].flat
+
+    @property
+    def storage(self) -> GatheredStorage:
+        return self.groups[0].storage
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.groups[0].dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.groups[0].compute_dtype
 
     @property
     def name(self) -> str:
@@ -160,111 +218,48 @@ class CommUnit:
     @name.setter
     def name(self, value: str) -> None:
         self.comm.unit = value
+        if self.post_forward is not None:
+            self.post_forward.comm.unit = value
+        for g in getattr(self, "groups", []):
+            g.unit_name = value
 
     @property
     def stats(self) -> CommStats:
         """The counters this unit's collectives report to (its root's, once it has one)."""
         return self.comm.stats
 
-    @property
-    def aliased(self) -> bool:
-        """One-rank shard group, same dtype, same device: gathered params view the shards."""
-        return (
-            self.mesh.world_size == 1
-            and self.compute_dtype == self.dtype
-            and self.shard_device == self.mesh.device
-        )
-
-    def register(self, index: int) -> None:
-        """The root gives the unit its index in the registration order every rank shares."""
+    def bind(self, stats: CommStats, verdict: Verdict, index: int) -> None:
+        """The root's counters, desync verdict, and the unit's index in the registration order
+        every rank shares (NOTE [Collective positions])."""
+        self.comm.stats = stats
+        if self.post_forward is not None:
+            self.post_forward.comm.stats = stats
+        verdict.take(self.verdict)  # checks of gathers issued before the root existed
+        self.verdict = verdict
         self.index = index
-        self._write_static_tag()
+        for g in self.groups:
+            g.write_static_tag(index)
 
-    def _write_static_tag(self) -> None:
-        if self.layout.tail and not self.shard_flat.is_meta:
-            write_static_tag(self.shard_flat[-self.layout.tail :], self.index)
+    def set_post_forward_group(self, size: int) -> None:
+        """NOTE [Resharding to a smaller group] (``reshard_after_forward=size``)."""
+        if len(self.groups) > 1:
+            raise FullshardError(
+                f"unit '{self.name}' mixes dtypes; reshard_after_forward as an int is supported "
+                "for units of one dtype. Pass True or False, or shard the parts separately."
+            )
+        group, rank = self.mesh.post_forward_group(size)
+        comm = Comm(group, self.mesh.timeout, self.name, self.comm.stats)
+        layout = FlatLayout([p.shape for p in self.params], size, tail=TAG_LEN)
+        self.post_forward = PostForward(size, rank, comm, layout)
 
     # -- shards ---------------------------------------------------------------------------
-    def _build_storage(self) -> None:
-        # (meta shards: real storage for now; refresh_shards rebuilds it once they are real)
-        alias = self.shard_flat if self.aliased and not self.shard_flat.is_meta else None
-        self.storage = GatheredStorage(
-            self.layout.total_numel, self.compute_dtype, self.mesh.device, alias=alias
-        )
-        self.storage.alloc()
-        for i, p in enumerate(self.params):
-            p.make_unsharded(self.layout.gathered_view(self.storage.flat, i))
-        self.storage.free()
-        self._write_static_tag()
-
-    def load_shards(self, fulls: list[torch.Tensor]) -> None:
-        """(Re)build the flat shard buffer from full tensors and point the shards into it.
-
-        The sharded ``nn.Parameter`` objects are kept (only their ``.data`` changes), so an
-        optimizer built earlier still holds the right objects.
-        """
-        device = fulls[0].device if fulls and fulls[0].is_meta else self.shard_device
-        flat = self._new_flat(device)
-        with torch.no_grad():
-            if not flat.is_meta:
-                self.layout.pack_shard([t.detach().to(device) for t in fulls], self.mesh.rank, flat)
-            for i, p in enumerate(self.params):
-                p.set_sharded_data(self.layout.shard_view(flat, i, self.mesh.rank))
-        self.shard_flat = flat
-        self._build_storage()
-
-    def _new_flat(self, device: torch.device) -> torch.Tensor:
-        flat = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
-        return flat.pin_memory() if self.pin_memory and not flat.is_meta else flat
-
     def refresh_shards(self) -> None:
         """Re-adopt shards that ``_apply`` (``to_empty``, ``.to()``) replaced or moved, and copy
         them back into a flat buffer, so one collective can send the unit again."""
-        if self._shards_detached():
-            self.reattach_shards()
-
-    def _shards_detached(self) -> bool:
-        adopted = [p.adopt_module_param() for p in self.params]
-        for p in self.params:
-            p.sharded._fullshard_unit = self  # type: ignore[attr-defined]
-            if p.sharded.dtype != self.dtype:
-                raise FullshardError(
-                    f"sharded parameter '{p.fqn}' of unit '{self.name}' changed dtype from "
-                    f"{self.dtype} to {p.sharded.dtype} after fully_shard; cast the model "
-                    "(model.to(dtype)) before calling fully_shard."
-                )
-        if any(p.sharded.is_meta for p in self.params):
-            return False  # nothing to copy yet; the meta check at first forward explains
-        if any(adopted):
-            return True
-        start = self.shard_flat.data_ptr() if not self.shard_flat.is_meta else -1
-        for i, p in enumerate(self.params):
-            t = p.local
-            if t.is_meta != self.shard_flat.is_meta or t.device != self.shard_flat.device:
-                return True
-            if t.is_meta or t.numel() == 0:
-                continue
-            if t.data_ptr() != start + self.layout.slots[i].offset * t.element_size():
-                return True
-        return False
-
-    def reattach_shards(self) -> None:
-        """Copy shards that were replaced (``to_empty``, ``.to()``) back into a flat buffer."""
-        world, rank = self.mesh.world_size, self.mesh.rank
-        flat = self._new_flat(self.shard_device)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                view = self.layout.shard_view(flat, i, rank)
-                if p.local.shape != view.shape:
-                    raise FullshardError(
-                        f"rank {rank}: sharded parameter '{p.fqn}' of unit '{self.name}' has shape "
-                        f"{tuple(p.local.shape)}, expected {tuple(view.shape)} ({world} ranks). "
-                        "Do not replace sharded parameters with tensors of another shape."
-                    )
-                view.copy_(p.local.detach())
-                p.set_sharded_data(view)
-        self.shard_flat = flat
-        self._build_storage()
+        for g in self.groups:
+            if g.detached(self):
+                g.reattach()
+                g.write_static_tag(self.index)
 
     # -- unshard / wait / reshard ---------------------------------------------------------
     def unshard(self, why: str = "gather") -> None:
@@ -272,24 +267,42 @@ class CommUnit:
         if self.state is not UnitState.SHARDED:
             return
         self.state = UnitState.GATHERING
+        backward = gather_phase(why) == "backward gather"
+        if self.post_forward_shard is not None and not backward:
+            self.post_forward_shard = None  # backward did not come for it (another forward)
         if self.mesh.world_size == 1 or not self.params:
             # Nothing to move: the shards are whole parameters (an empty unit has nothing
             # either; every rank agrees, see NOTE [Same model on every rank]).
             self.gather_in_flight = GatherInFlight(None, None, None, None)
             return
         s = self.streams
-        pos = self.comm.position("all_gather", gather_phase(why), self.index)
+        pf = self.post_forward if self.post_forward_shard is not None else None
+        comm = pf.comm if pf is not None else self.comm
+        pos = comm.position("all_gather", gather_phase(why), self.index)
         if pos.phase == "unshard()":
             s.gather_ready()  # outside a step's forward/backward: the optimizer may have run
         with s.on(s.gather):
-            # Offload: shards travel from (pinned) host memory. Mixed precision: the gather
-            # moves param_dtype bytes; the shards stay in full precision.
-            send = self.shard_flat.to(self.mesh.device, self.compute_dtype, non_blocking=True)
+            if pf is not None:
+                assert self.post_forward_shard is not None
+                send, self.post_forward_shard = self.post_forward_shard, None
+                numel = pf.layout.total_numel
+            else:
+                send = self._wire()
+                numel = send.numel() * self.mesh.world_size
             # NOTE [Collective positions]: the tag goes into what is sent (a copy when cast)
-            write_dynamic_tag(send[-self.layout.tail :], pos)
-            out = torch.empty(self.layout.total_numel, dtype=self.compute_dtype, device=send.device)
-            pending = self.comm.all_gather(out, send, pos)
-        self.gather_in_flight = GatherInFlight(pending, out, send, pos)
+            write_dynamic_tag(send[-TAG_LEN:], pos)
+            out = torch.empty(numel, dtype=send.dtype, device=send.device)
+            pending = comm.all_gather(out, send, pos)  # type: ignore[arg-type]
+        self.gather_in_flight = GatherInFlight(pending, out, send, pos, pf is not None)
+
+    def _wire(self) -> torch.Tensor:
+        """This rank's whole unit as one send buffer (NOTE [Mixed-dtype units])."""
+        if len(self.groups) == 1:
+            return self.groups[0].wire()
+        parts = [g.wire() for g in self.groups]
+        if len({t.dtype for t in parts}) == 1:
+            return torch.cat(parts)
+        return torch.cat([t.view(torch.uint8) for t in parts])
 
     def wait_for_unshard(self, why: str = "gather") -> None:
         """Make the unit GATHERED: issue the gather if needed, wait for it, copy out, expose."""
@@ -300,149 +313,94 @@ class CommUnit:
         flight, self.gather_in_flight = self.gather_in_flight, None
         assert flight is not None
         if flight.pending is None:
-            if not self.aliased and self.params:
-                self.storage.alloc()  # one rank: the gather is a cast (or a host-to-device copy)
-                with torch.no_grad():
-                    self.storage.flat.copy_(self.shard_flat, non_blocking=True)
+            for g in self.groups:
+                if not g.aliased and g.params:
+                    g.storage.alloc()  # one rank: the gather is a cast or a host-to-device copy
+                    with torch.no_grad():
+                        g.storage.flat.copy_(g.flat, non_blocking=True)
         else:
-            assert (
-                flight.out is not None and flight.send is not None and flight.position is not None
-            )
+            assert flight.out is not None and flight.send is not None and flight.position
             s = self.streams
             with s.on(s.gather):
                 flight.pending.wait()  # gloo: bounded host wait; NCCL: the gather stream waits
             s.compute_waits(s.record(s.gather))
-            self.storage.alloc()
-            world, tail = self.mesh.world_size, self.layout.tail
-            tails = torch.empty(world, tail, dtype=flight.out.dtype, device=flight.out.device)
-            with torch.no_grad():
-                self.layout.copy_out(flight.out, self.storage.flat, tails)
+            tails = self._copy_out(flight)
             # rule 2: the output (and a cast copy of the shard) may go once the copy-out has
             # read it; in forward one unit later, so the next all-gather need not wait for it
             s.gathered([flight.out, flight.send], defer=why.startswith("forward"))
+            pf = self.post_forward if flight.post_forward else None
+            me, group = (pf.rank, pf.comm.group) if pf else (self.mesh.rank, self.mesh.group)
             pos = flight.position
             del flight
             # raises before the modules see anything when the check is free (CPU)
-            self.verdict.gather(tails, self.mesh.rank, pos, self.mesh.group)
+            self.verdict.gather(tails, me, pos, group)
         for p in self.params:
             p.expose(unsharded=True)
         self.state = UnitState.GATHERED
 
-    def reshard(self) -> None:
-        """Free the gathered storage and show the shards to the modules again."""
+    def _copy_out(self, flight: GatherInFlight) -> torch.Tensor:
+        """Rank-major output -> each group's gathered storage; returns every rank's tag."""
+        assert flight.out is not None
+        if flight.post_forward:
+            assert self.post_forward is not None
+            g, layout = self.groups[0], self.post_forward.layout
+            g.storage.alloc()
+            tails = torch.empty(
+                layout.world, TAG_LEN, dtype=flight.out.dtype, device=flight.out.device
+            )
+            with torch.no_grad():
+                layout.copy_out(flight.out, g.storage.flat, tails, dest=g.layout)
+            return tails
+        world = self.mesh.world_size
+        rows = flight.out.view(world, -1)
+        tails = torch.empty(world, TAG_LEN, dtype=self.compute_dtype, device=rows.device)
+        start = 0
+        for g in self.groups:
+            g.storage.alloc()
+            width = g.layout.shard_numel
+            if rows.dtype == torch.uint8:  # a byte buffer of several dtypes
+                width *= torch.empty((), dtype=g.compute_dtype).element_size()
+            cols = rows[:, start : start + width]
+            start += width
+            if cols.dtype != g.compute_dtype:
+                cols = cols.view(g.compute_dtype)
+            with torch.no_grad():
+                g.layout.copy_out(cols, g.storage.flat, tails if g.layout.tail else None)
+        return tails
+
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the gathered storage and show the shards to the modules again. After a forward
+        whose backward will come, a unit with a post-forward group keeps its rows there."""
         if self.state is UnitState.GATHERING:
             self.wait_for_unshard()  # the gather must land first; collectives stay paired
         if self.state is UnitState.GATHERED:
+            if after_forward and self.post_forward is not None and self.mesh.world_size > 1:
+                self._keep_post_forward_shard()
             for p in self.params:
                 p.expose(unsharded=False)
-            self.storage.free()
+            for g in self.groups:
+                g.storage.free()
             self.state = UnitState.SHARDED
+
+    def _keep_post_forward_shard(self) -> None:
+        """NOTE [Resharding to a smaller group]: this rank's rows of the gathered unit over k."""
+        pf = self.post_forward
+        assert pf is not None
+        g = self.groups[0]
+        shard = torch.empty(pf.layout.shard_numel, dtype=g.compute_dtype, device=self.mesh.device)
+        with torch.no_grad():
+            fulls = [p.unsharded for p in self.params]  # views of the gathered storage
+            pf.layout.pack_shard(fulls, pf.rank, shard)  # type: ignore[arg-type]
+        write_static_tag(shard[-TAG_LEN:], self.index)
+        self.post_forward_shard = shard
 
     @property
     def gathered(self) -> bool:
         """True while gathered memory is held (in flight or complete)."""
         return self.state is not UnitState.SHARDED
 
-    # -- reduce gradients -----------------------------------------------------------------
-    def reduce_grads(self) -> None:
-        """Reduce-scatter the unit's unsharded gradients (asynchronously) and drop them."""
-        if not self.trainable:
-            return
-        self.finish_reduce()  # at most one reduce-scatter of a unit in flight
-        world, dtype, device = self.mesh.world_size, self.reduce_dtype, self.mesh.device
-        grads = [p.unsharded.grad if p.unsharded is not None else None for p in self.trainable]
-        present = [g is not None for g in grads]
-        pos, extra = None, None
-        if self.reduce_tags:
-            # NOTE [Which gradients exist] and [Collective positions]: every rank's block ends
-            # in this rank's presence bits and tag, so the sum says whether the ranks agreed
-            pos = self.comm.position("reduce_scatter", "reduce-scatter", self.index)
-            # in the gradients' dtype (0 and 1 are exact in any), so the pack needs no cast
-            bits = next((g.dtype for g in grads if g is not None), dtype)
-            extra = reduce_tag_row(pos, present, bits, device).expand(world, -1)
-        # packed on the compute stream, where autograd made the gradients (rule 3)
-        full = self.grad_layout.pack_for_reduce(grads, dtype=dtype, device=device, extra=extra)
-        for p in self.trainable:
-            assert p.unsharded is not None
-            p.unsharded.grad = None  # the packed copy is all we need: free the full gradients
-        if world == 1 and self.comm.replicate_group is None:
-            # nothing to communicate: the full gradient is the shard, made on compute, and
-            # finishing it on compute costs no stream hand-over
-            self.reduce_in_flight = ReduceInFlight(None, full.view(-1), full, present, pos)
-            return
-        pending = None
-        with self.streams.begin_reduce():
-            if world == 1:
-                out = full.view(-1)  # HSDP with a one-rank shard group: only the all-reduce
-            else:
-                out = torch.empty(full.shape[1], dtype=dtype, device=device)
-                pending = self.comm.reduce_scatter(out, full, pos)  # type: ignore[arg-type]
-        self.reduce_in_flight = ReduceInFlight(pending, out, full, present, pos)
-
-    def finish_reduce(self) -> None:
-        """Wait for the unit's reduce-scatter (and HSDP all-reduce) and accumulate the averaged
-        shard into ``.grad``; on the reduce stream when there was a collective."""
-        flight, self.reduce_in_flight = self.reduce_in_flight, None
-        if flight is None:
-            return
-        s, layout, rank = self.streams, self.grad_layout, self.mesh.rank
-        shard = flight.out[: layout.shard_numel]
-        side = self.mesh.world_size > 1 or self.comm.replicate_group is not None
-        with s.on(s.reduce if side else None):
-            if flight.pending is not None:
-                flight.pending.wait()  # gloo: host wait and the local sum; NCCL: stream wait
-                self._check_reduce(flight)
-            if self.comm.replicate_group is not None:
-                # HYBRID / NO_SHARD: the shard's sum over the replicas, ordered after the
-                # reduce-scatter by the reduce stream (gloo: by the host wait above)
-                self.comm.all_reduce_replicas(shard).wait()
-            if self.mesh.data_parallel_size > 1:
-                shard.div_(self.mesh.data_parallel_size)
-            if self.offload:
-                shard = self._to_host(shard)
-            for j, p in enumerate(self.trainable):
-                if not flight.present[j]:
-                    continue  # NOTE [Which gradients exist]
-                g = layout.shard_view(shard, j, rank)
-                if g.dtype != p.sharded.dtype:
-                    g = g.to(p.sharded.dtype)
-                p.add_grad(g)  # a DTensor gradient over these rows
-        if side:
-            # rule 3: compute waits before the packed input (and the gradients) may be reused
-            s.compute_waits(s.record(s.reduce))
-        del flight
-
-    def _check_reduce(self, flight: ReduceInFlight) -> None:
-        if flight.position is None:
-            return
-        names = [p.fqn for p in self.trainable]
-        k = len(names) + 8 * TAG_LEN  # presence bits, then tag bits
-        rows = flight.pending.rows if flight.pending is not None else None
-        if rows is not None:  # gloo: every rank's block, before the sum
-            me = self.mesh.rank
-            self.verdict.reduce_rows(rows[:, -k:], me, flight.position, self.mesh.group, names)
-        else:
-            world = self.mesh.world_size
-            self.verdict.reduce_sums(
-                flight.out[-k:], world, flight.position, self.mesh.group, names
-            )
-
-    def _to_host(self, shard: torch.Tensor) -> torch.Tensor:
-        """Offload: the gradient shard goes to host memory; with pinned memory the copy is
-        asynchronous and ``sync_offloaded_grads`` (end of backward) waits for it."""
-        if not self.pin_memory or any(p.sharded.grad is not None for p in self.trainable):
-            return shard.to("cpu")  # accumulating on the host needs the values now
-        host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
-        host.copy_(shard, non_blocking=True)
-        # recorded on the stream doing the copy (the reduce stream, or compute)
-        self._offload_event = torch.cuda.current_stream(shard.device).record_event()
-        return host
-
-    def sync_offloaded_grads(self) -> None:
-        """Block the host until offloaded gradients have landed (the CPU optimizer reads them)."""
-        if self._offload_event is not None:
-            self._offload_event.synchronize()
-            self._offload_event = None
-
     def __repr__(self) -> str:
         return f"CommUnit({self.name!r}, params={len(self.params)}, state={self.state.value})"
+
+
+__all__ = ["CommUnit", "GatherInFlight", "ReduceInFlight", "UnitState", "gather_phase"]

@@ -94,11 +94,12 @@ class MemoryTracker:
                 v for state in self._optimizer.state.values() for v in state.values()
             )
         return {
-            "sharded_params": sum(
-                u.shard_flat.numel() * u.shard_flat.element_size() for u in units
-            ),
+            "sharded_params": sum(g.nbytes for u in units for g in u.groups),
             "gathered_window": sum(
-                u.storage.nbytes for u in units if u.storage.allocated and not u.storage.aliased
+                g.storage.nbytes
+                for u in units
+                for g in u.groups
+                if g.storage.allocated and not g.storage.aliased
             ),
             "gradients": _unique_bytes(grads),
             "optimizer_state": opt_state,
@@ -144,14 +145,16 @@ class MemoryTracker:
         self._schedule = schedule
         self._optimizer = optimizer
         schedule.listeners.append(self._on_point)
-        for u in schedule.units:
+        for g in (g for u in schedule.units for g in u.groups):
             # parameters are not activations: they live in these storages
-            self._param_storages.add(u.storage.flat.untyped_storage().data_ptr())
-            self._param_storages.add(u.shard_flat.untyped_storage().data_ptr())
+            self._param_storages.add(g.storage.flat.untyped_storage().data_ptr())
+            self._param_storages.add(g.flat.untyped_storage().data_ptr())
 
         def enter(*_: Any) -> None:
             self._param_storages |= {
-                u.storage.flat.untyped_storage().data_ptr() for u in schedule.units
+                g.storage.flat.untyped_storage().data_ptr()
+                for u in schedule.units
+                for g in u.groups
             }
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
             self._saved_ctx.__enter__()

@@ -83,10 +83,14 @@ class FlatLayout:
     """The flat layout of a list of parameter shapes for one world size.
 
     ``tail`` extra elements end each rank's flat shard: room for the all-gather's position tags
-    (NOTE [Collective positions]); they are not part of any parameter.
+    (NOTE [Collective positions]); they are not part of any parameter. ``pad_to`` rounds each
+    rank's shard up to a multiple of that many elements (a gap before the tail), so that shards
+    of several dtypes can share one byte buffer aligned (engine/shards.py).
     """
 
-    def __init__(self, shapes: Sequence[torch.Size], world: int, tail: int = 0) -> None:
+    def __init__(
+        self, shapes: Sequence[torch.Size], world: int, tail: int = 0, pad_to: int = 1
+    ) -> None:
         self.world = world
         self.tail = tail
         slots = []
@@ -97,9 +101,11 @@ class FlatLayout:
             slots.append(Slot(torch.Size(shape), rows, row_numel, offset))
             offset += rows * row_numel
         self.slots: list[Slot] = slots
-        self.data_numel = offset  # the parameters' part of one rank's flat shard (padded)
-        self.shard_numel = offset + tail  # S: one rank's flat shard, padding and tail included
-        self.split_sizes = [s.padded_numel for s in slots] + ([tail] if tail else [])
+        self.gap = -(offset + tail) % pad_to
+        self.shard_numel = (
+            offset + self.gap + tail
+        )  # S: one rank's shard, padding and tail included
+        self.split_sizes = [s.padded_numel for s in slots] + [n for n in (self.gap, tail) if n]
 
     @property
     def total_numel(self) -> int:
@@ -126,25 +132,37 @@ class FlatLayout:
             self.shard_view(out, i, rank).copy_(chunk_of(full, self.world, rank))
 
     def copy_out(
-        self, gathered: torch.Tensor, flat_gathered: torch.Tensor, tails: torch.Tensor | None = None
+        self,
+        gathered: torch.Tensor,
+        flat_gathered: torch.Tensor,
+        tails: torch.Tensor | None = None,
+        dest: FlatLayout | None = None,
     ) -> None:
         """Rank-major all-gather output -> parameter-major gathered storage, in one kernel.
 
         Each rank's tail lands in row r of ``tails`` (``(world, tail)``; a scratch buffer when
-        not given).
+        not given). ``dest``: the layout of ``flat_gathered`` when it differs from this one (a
+        unit gathered over a smaller group after forward, NOTE [Resharding to a smaller group]):
+        parameter ``i``'s padded rows then fill the front of its region there, which is at least
+        as large because the group size divides ``dest``'s.
         """
-        w = self.world
+        w, d = self.world, dest or self
         outs = [
-            flat_gathered[w * s.offset : w * (s.offset + s.padded_numel)].view(w, s.padded_numel)
-            for s in self.slots
+            flat_gathered[d.world * ds.offset : d.world * ds.offset + w * s.padded_numel].view(
+                w, s.padded_numel
+            )
+            for s, ds in zip(self.slots, d.slots, strict=True)
         ]
+        dtype, device = gathered.dtype, gathered.device
+        if self.gap:
+            outs.append(torch.empty(w, self.gap, dtype=dtype, device=device))  # scratch
         if self.tail:
             if tails is None:
-                tails = torch.empty(w, self.tail, dtype=gathered.dtype, device=gathered.device)
+                tails = torch.empty(w, self.tail, dtype=dtype, device=device)
             outs.append(tails)
-        torch.split_with_sizes_copy(
-            gathered.view(w, self.shard_numel), self.split_sizes, 1, out=outs
-        )
+        # a (world, S) view is taken as it is: a dtype group's columns of a shared buffer
+        rows = gathered if gathered.dim() == 2 else gathered.view(w, self.shard_numel)
+        torch.split_with_sizes_copy(rows, self.split_sizes, 1, out=outs)
 
     def pack_for_reduce(
         self,
@@ -163,7 +181,8 @@ class FlatLayout:
         """
         w = self.world
         # one input dtype (the gradients'); the kernel casts to ``dtype`` on the way out
-        src = next((g.dtype for g in grads if g is not None), dtype)
+        present = {g.dtype for g in grads if g is not None}
+        src = present.pop() if len(present) == 1 else dtype
         parts = [
             torch.zeros(slot.shape, dtype=src, device=device) if g is None else g.to(src)
             for slot, g in zip(self.slots, grads, strict=True)

@@ -1,0 +1,156 @@
+"""Which parameters one ``fully_shard`` call manages, and the checks on them (layer 8).
+
+A call covers one module or a list of modules (one unit, FSDP2's grouping). It manages every
+parameter under them except those of nested units and ``ignored_params``; a parameter reached
+under several names (tied inside the unit) is managed once, with all its names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from fullshard.policies import FullshardError
+
+if TYPE_CHECKING:
+    from fullshard.engine.hooks import FSDPState
+
+
+@dataclass
+class Found:
+    """One managed parameter: its names (relative to its owning module of the call), the
+    ``(module, attribute)`` pairs that hold it, and which module of the call owns it."""
+
+    param: nn.Parameter
+    owner: int
+    fqns: list[str] = field(default_factory=list)
+    refs: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+def collect(
+    modules: list[nn.Module], ignored: Iterable[torch.Tensor] = ()
+) -> tuple[list[Found], list[FSDPState]]:
+    """The parameters the call manages (in registration order) and the nested units' states."""
+    from fullshard.engine.api import FSDPModule
+
+    skip = {id(p) for p in ignored}
+    found: dict[int, Found] = {}
+    children: list[FSDPState] = []
+    seen: set[tuple[int, str]] = set()
+
+    def visit(mod: nn.Module, prefix: str, owner: int) -> None:
+        for name, p in mod._parameters.items():
+            if p is None or (id(mod), name) in seen or id(p) in skip:
+                continue
+            seen.add((id(mod), name))
+            entry = found.get(id(p))
+            if entry is None:
+                entry = found[id(p)] = Found(p, owner)
+            elif entry.owner != owner:
+                raise FullshardError(
+                    f"parameter '{prefix + name}' is shared by modules {entry.owner} and {owner} "
+                    "of the list given to fully_shard; each parameter must belong to one module "
+                    "of the list. Call fully_shard on a common parent instead."
+                )
+            entry.fqns.append(prefix + name)
+            entry.refs.append((mod, name))
+        for cname, child in mod._modules.items():
+            if child is None:
+                continue
+            if isinstance(child, FSDPModule):
+                if child._fullshard_state not in children:
+                    children.append(child._fullshard_state)
+                continue
+            visit(child, f"{prefix}{cname}.", owner)
+
+    for i, module in enumerate(modules):
+        visit(module, "", i)
+    return list(found.values()), children
+
+
+def check_modules(modules: list[nn.Module]) -> None:
+    """The modules of one call: not wrapped yet, and none inside another."""
+    from fullshard.engine.api import FSDPModule
+
+    if not modules:
+        raise FullshardError("fully_shard got an empty list of modules.")
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            raise FullshardError(
+                f"module {type(m).__name__} was already passed to fully_shard; wrap each module once."
+            )
+    for i, a in enumerate(modules):
+        for j, b in enumerate(modules):
+            if i != j and any(sub is b for sub in a.modules()):
+                raise FullshardError(
+                    f"fully_shard got module {j} ({type(b).__name__}) inside module {i} "
+                    f"({type(a).__name__}) of the same list; list modules that do not contain "
+                    "each other."
+                )
+
+
+def check_ignored(modules: list[nn.Module], ignored: Iterable[torch.Tensor], unit: str) -> None:
+    """Every ignored parameter must be a parameter of the call's modules."""
+    own = {id(p) for m in modules for p in m.parameters()}
+    stray = [p for p in ignored if id(p) not in own]
+    if stray:
+        shapes = ", ".join(str(tuple(p.shape)) for p in stray[:5])
+        raise FullshardError(
+            f"{len(stray)} of the ignored_params given to fully_shard for {unit} are not "
+            f"parameters of its module(s) (shapes {shapes}); pass parameters of the module(s) "
+            "being sharded."
+        )
+
+
+def param_device(found: list[Found]) -> torch.device | None:
+    """Where the unit's parameters are now (None: none, or on the meta device)."""
+    for f in found:
+        return None if f.param.is_meta else f.param.device
+    return None
+
+
+def check_params(
+    found: list[Found], children: list[FSDPState], unit_name: str, modules: list[nn.Module]
+) -> None:
+    """Parameters a unit cannot manage: sharded elsewhere, tied across units, 0-dim, integer."""
+    from fullshard.engine.api import FSDPModule
+
+    child_path = {
+        id(m): name
+        for module in modules
+        for name, m in module.named_modules()
+        if isinstance(m, FSDPModule)
+    }
+    for f in found:
+        p, fqn = f.param, f.fqns[0]
+        owner = getattr(p, "_fullshard_unit", None)
+        if owner is not None:
+            raise FullshardError(
+                f"parameter '{fqn}' of {unit_name} is already sharded by unit "
+                f"'{owner.name}'. Call fully_shard on inner modules first, then on the "
+                "outer ones, and on each module once."
+            )
+        for child in children:
+            other = child.originals.get(id(p))
+            if other is not None and other[1]() is p:
+                path = child_path.get(id(child.module), type(child.module).__name__)
+                raise FullshardError(
+                    f"parameter '{fqn}' of {unit_name} is tied to '{path}.{other[0]}' of the "
+                    f"nested unit '{path}'; tied parameters must live in one unit. Do not call "
+                    f"fully_shard on '{path}' on its own (its parent's unit will hold both), or "
+                    "untie the weights."
+                )
+        if p.dim() == 0:
+            raise FullshardError(
+                f"parameter '{fqn}' of {unit_name} is 0-dim; fullshard shards along dim 0. "
+                "Make it shape (1,) (e.g. nn.Parameter(t.reshape(1))) before fully_shard."
+            )
+        if not (p.is_floating_point() or p.is_complex()):
+            raise FullshardError(
+                f"parameter '{fqn}' of {unit_name} has dtype {p.dtype}; only floating-point "
+                "parameters can be sharded and trained. Register it as a buffer instead."
+            )
