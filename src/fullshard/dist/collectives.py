@@ -211,12 +211,12 @@ def _issue(
 def all_gather(
     out: torch.Tensor,
     shard: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     *,
-    stats: CommStats,
     what: str,
-    unit: str,
     timeout: timedelta,
+    stats: CommStats | None = None,
+    unit: str = "",
     phase: str = "all-gather",
     position: Position | None = None,
 ) -> Pending:

@@ -1,0 +1,115 @@
+"""Control-plane collectives (layer 4): barriers, votes, metrics and small objects.
+
+Everything outside ``fullshard.dist`` that needs the other ranks (the trainer's loss and NaN
+vote, checkpoint barriers and agreement, bench and trace bookkeeping) calls these, never
+``torch.distributed`` directly, so every tensor is made on ``comm_device(group)`` (NOTE [Device
+discipline]) and every wait is bounded: by a timeout on gloo, by the process group's own timeout
+and watchdog on NCCL (NOTE [Waiting without blocking the host]).
+
+A function that returns a tensor leaves it on the device: reading it (``.tolist()``) is the
+caller's choice of when to synchronise, once per step at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fullshard.dist.collectives import all_gather, all_reduce
+from fullshard.dist.device import comm_device
+from fullshard.dist.mesh import default_timeout
+
+__all__ = [
+    "all_gather_objects",
+    "all_gather_values",
+    "all_reduce_values",
+    "barrier",
+    "broadcast_object",
+    "rank",
+    "world_size",
+]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (the default group: its global rank)."""
+    return dist.get_rank(group)
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group)
+
+
+def _timeout(timeout: timedelta | None) -> timedelta:
+    return timeout if timeout is not None else default_timeout()
+
+
+def barrier(
+    group: dist.ProcessGroup | None = None, *, what: str = "barrier", timeout: timedelta | None = None
+) -> None:
+    """Every rank of ``group`` reaches this point (a one-element all-reduce on its device).
+
+    On NCCL this orders the current stream only; the ranks' hosts meet at the next read.
+    """
+    flag = torch.zeros(1, device=comm_device(group))
+    all_reduce(flag, group, what=what, timeout=_timeout(timeout)).wait()
+
+
+def all_reduce_values(
+    values: torch.Tensor | Sequence[float],
+    op: str = "sum",
+    group: dist.ProcessGroup | None = None,
+    *,
+    what: str = "all-reduce of values",
+    timeout: timedelta | None = None,
+) -> torch.Tensor:
+    """``values`` reduced over the ranks (``op``: sum, max or min), on the group's device.
+
+    A tensor is reduced where it is, after moving it to the group's device (a device tensor is
+    never read here); a list of host numbers becomes one float64 tensor.
+    """
+    device = comm_device(group)
+    if isinstance(values, torch.Tensor):
+        t = values.detach().to(device).clone()
+    else:
+        t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    all_reduce(t, group, op=_OPS[op], what=what, timeout=_timeout(timeout)).wait()
+    return t
+
+
+def all_gather_values(
+    values: torch.Tensor | Sequence[float],
+    group: dist.ProcessGroup | None = None,
+    *,
+    what: str = "all-gather of values",
+    timeout: timedelta | None = None,
+) -> torch.Tensor:
+    """Every rank's ``values`` as rows of a ``(world, n)`` float64 tensor on the group's device."""
+    device = comm_device(group)
+    if isinstance(values, torch.Tensor):
+        mine = values.detach().to(device, torch.float64).reshape(-1)
+    else:
+        mine = torch.tensor(list(values), dtype=torch.float64, device=device)
+    world = dist.get_world_size(group)
+    out = torch.empty(world * mine.numel(), dtype=torch.float64, device=device)
+    all_gather(out, mine, group, what=what, timeout=_timeout(timeout)).wait()  # type: ignore[arg-type]
+    return out.view(world, -1)
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (torch puts the bytes on the right device)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """Rank ``src``'s picklable ``obj``, on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

@@ -1,0 +1,104 @@
+"""Which device a process group's tensors live on (layer 2). One helper decides it.
+
+NOTE [Device discipline]
+NCCL moves CUDA tensors only; gloo moves CPU tensors (and, for tests that share one GPU between
+ranks, CUDA tensors through host copies). A CPU tensor handed to NCCL fails deep inside c10d
+("No backend type associated with device type cpu"), after other ranks may already be waiting.
+So:
+
+- bookkeeping tensors (barriers, votes, metrics, checkpoint agreement) are created on
+  ``comm_device(group)`` and nowhere else;
+- parameter and gradient buffers live on the unit's compute device, which ``fully_shard``
+  checks against the group's backend once (``check_device``);
+- every collective fullshard issues passes ``check_tensor`` first, which turns a wrong device
+  into an error that names the collective and the fix, on the rank that made the mistake.
+
+Outside ``fullshard.dist`` no code calls a ``torch.distributed`` collective directly
+(``tests/test_device.py`` checks the source): the helpers in ``fullshard.dist.control`` do it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fullshard.policies import FullshardError
+
+__all__ = ["accepted_devices", "check_device", "check_tensor", "comm_device", "cuda_usable"]
+
+
+def _backend(group: dist.ProcessGroup | None) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+def accepted_devices(group: dist.ProcessGroup | None = None) -> frozenset[str]:
+    """Device types whose tensors the group's backend moves.
+
+    A plain ``"nccl"`` group moves CUDA tensors only; ``"gloo"`` moves CPU tensors and CUDA
+    tensors; a per-device backend string such as ``"cpu:gloo,cuda:nccl"`` moves both.
+    """
+    backend = _backend(group)
+    if ":" in backend:  # "cpu:gloo,cuda:nccl"
+        return frozenset(part.split(":")[0] for part in backend.split(","))
+    if backend == "nccl":
+        return frozenset({"cuda"})
+    return frozenset({"cpu", "cuda"})
+
+
+def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device for small bookkeeping tensors handed to collectives on ``group``.
+
+    The CPU where the backend moves CPU tensors (gloo: no device round trip for a flag), else
+    the current CUDA device (NCCL).
+    """
+    if "cpu" in accepted_devices(group):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def check_device(device: torch.device, group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise a clear error if the group's backend cannot move tensors on ``device``
+    (NOTE [Device discipline]); ``what`` names the collective or the unit."""
+    accepted = accepted_devices(group)
+    if device.type in accepted:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    raise FullshardError(
+        f"rank {rank}: {what} got a {device.type} tensor, but the process group's backend "
+        f"({_backend(group)}) moves only {'/'.join(sorted(accepted))} tensors. Put the model "
+        "and its inputs on the GPU (model.to('cuda')) before fully_shard, or train on CPU "
+        "with the gloo backend."
+    )
+
+
+def check_tensor(t: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
+    """``check_device`` for the tensor about to be handed to a collective."""
+    check_device(t.device, group, what)
+
+
+def cuda_usable(index: int) -> str:
+    """Why CUDA device ``index`` cannot be used by this process ("" when it can).
+
+    Catches a CPU-only torch or a missing driver, an index beyond the visible devices, and a
+    device that another process holds exclusively ("busy or unavailable").
+    """
+    if not torch.cuda.is_available():
+        return (
+            "no CUDA device is visible (torch.cuda.is_available() is False: a CPU build of "
+            "torch, no driver, or CUDA_VISIBLE_DEVICES is empty); use --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if index >= count:
+        return (
+            f"this rank needs CUDA device {index}, but only {count} are visible; launch at most "
+            f"{count} ranks per machine with NCCL, or share the GPUs over gloo (--backend gloo)"
+        )
+    try:
+        torch.empty(1, device=torch.device("cuda", index))
+    except RuntimeError as exc:  # "all CUDA-capable devices are busy or unavailable"
+        first = str(exc).splitlines()[0][:200]
+        return (
+            f"CUDA device {index} cannot be used ({first}); another process may hold it in "
+            "exclusive mode: free it, or pick another with CUDA_VISIBLE_DEVICES"
+        )
+    return ""
