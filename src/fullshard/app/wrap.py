@@ -12,11 +12,17 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fullshard import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, parallelize
 
-__all__ = ["MIXED_PRECISION_DTYPES", "clip_gradients", "set_gradient_sync", "shard_model"]
+__all__ = [
+    "MIXED_PRECISION_DTYPES",
+    "clip_gradients",
+    "set_gradient_sync",
+    "shard_model",
+    "strategy_mesh",
+]
 
 MIXED_PRECISION_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,12 +35,14 @@ def shard_model(
     mixed_precision: str = "none",
     shard_size: int = 0,
     activation_checkpointing: bool = False,
+    device_type: str | None = None,
 ) -> nn.Module:
     """Shard ``model``: every submodule of a type in ``unit_types`` becomes one unit, then the root.
 
     ``strategy`` is a ``ShardingStrategy`` name; the hybrid ones shard inside groups of
     ``shard_size`` ranks and replicate across the groups (a 2-D mesh). The root keeps its
-    default ``reshard_after_forward`` (backward needs it again at once).
+    default ``reshard_after_forward`` (backward needs it again at once). ``device_type``: where
+    the units compute (default: where the model's parameters are).
     """
     dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     # Gradients are reduced in float32 even when computing in bf16/fp16: summing N ranks' low
@@ -43,13 +51,11 @@ def shard_model(
     types = tuple(unit_types)
     if not any(isinstance(m, types) and m is not model for m in model.modules()):
         raise ValueError(f"model {type(model).__name__} has no submodule of type {types}")
-    mesh = None
-    if strategy.startswith("hybrid"):
-        world = dist.get_world_size()
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(
-            device, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
-        )
+    if device_type is None:
+        first = next(model.parameters(), None)
+        real = first is not None and not first.is_meta
+        device_type = first.device.type if first is not None and real else _backend_device_type()
+    mesh = strategy_mesh(strategy, shard_size, device_type)
     return parallelize(
         model,
         strategy=strategy,
@@ -60,18 +66,43 @@ def shard_model(
     )
 
 
+def _backend_device_type() -> str:
+    """The device the engine assumes for the world group: what its backend moves natively."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def strategy_mesh(strategy: str, shard_size: int, device_type: str) -> DeviceMesh | None:
+    """The device mesh ``strategy`` shards over, on ``device_type``; ``None`` for the default.
+
+    The hybrid strategies always need a 2-D (replicate, shard) mesh of groups of ``shard_size``.
+    The others shard over the world group, whose device the engine infers from the backend
+    (NCCL: CUDA, gloo: CPU); ranks sharing a GPU over gloo say "cuda" with an explicit mesh of
+    the same shape, so their units compute on the GPU.
+    """
+    world = dist.get_world_size()
+    if strategy.startswith("hybrid"):
+        return init_device_mesh(
+            device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+        )
+    if device_type == _backend_device_type():
+        return None
+    if strategy == "no_shard":  # replicate over everyone, shard over one
+        return init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world,))
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Turn gradient reduce-scatter on/off (off for all but the last accumulation micro-batch)."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
 
 
-def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
+def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm across all ranks' shards; returns the norm before clipping.
 
     With ``max_norm <= 0`` only measures (clipping to infinity). Call on every rank: the norm is
-    a collective over the shards.
+    a collective over the shards. The norm stays a tensor on the gradients' device: reading it
+    is the caller's one synchronisation of the step.
     """
     limit = max_norm if max_norm > 0 else float("inf")
-    norm = clip_grad_norm_(list(parameters), limit)
-    return float(norm)
+    return clip_grad_norm_(list(parameters), limit)
