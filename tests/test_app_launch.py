@@ -40,6 +40,9 @@ def gpus(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(launch.dist, "init_process_group", init_process_group)
     monkeypatch.setattr(launch.dist, "PrefixStore", lambda prefix, store: store)
     monkeypatch.setattr(launch, "rendezvous", lambda *a, **k: iter([(object(), 0, 1)]))
+    # init_distributed sets it for the run; set-then-delete makes monkeypatch remove it after
+    monkeypatch.setenv("FULLSHARD_TIMEOUT_S", "0")
+    monkeypatch.delenv("FULLSHARD_TIMEOUT_S")
     return state
 
 
@@ -61,6 +64,7 @@ def test_nccl_takes_one_gpu_per_rank_and_binds_it(
     assert (info.device, info.backend) == (torch.device("cuda", 1), "nccl")
     assert gpus["set_device"] == torch.device("cuda", 1)
     assert gpus["init"]["backend"] == "nccl"
+    assert launch.os.environ["FULLSHARD_TIMEOUT_S"] == "30.0"  # fullshard's waits: same bound
     if launch._accepts_device_id():  # torch >= 2.3: NCCL binds its device eagerly
         assert gpus["init"]["device_id"] == torch.device("cuda", 1)
 

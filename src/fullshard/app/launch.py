@@ -248,6 +248,9 @@ def init_distributed(device_pref: str, timeout_s: float, backend: str = "auto") 
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device, backend = rank_device(device_pref, backend, local_rank, _local_world_size(world_size))
+    # fullshard's own bounded waits (engine and control) get the same bound as the process
+    # group, unless the user set one (fullshard.dist.mesh.default_timeout reads it)
+    os.environ.setdefault("FULLSHARD_TIMEOUT_S", str(timeout_s))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
