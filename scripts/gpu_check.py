@@ -400,7 +400,9 @@ def main() -> int:
     chosen = [n for n in names if not patterns or any(fnmatch.fnmatch(n, p) for p in patterns)]
     where = "CPU (gloo)"
     if not args.cpu:
-        where = f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+        # the count only: naming the GPU would open a CUDA context in this process, which a
+        # GPU in exclusive mode would then refuse to the ranks
+        where = f"{torch.cuda.device_count()} CUDA device(s)"
     print(f"fullshard GPU check on {where}, torch {torch.__version__}: {len(chosen)} checks")
     started = time.perf_counter()
     report = Report(args.budget)
