@@ -1,174 +1,419 @@
-"""GPU check: the engine and every strategy on CUDA with NCCL, mixed precision and offload included.
+"""GPU check: every CLI command on NCCL, and every strategy with ranks sharing one GPU over gloo.
 
-One command, a few minutes:  ``python scripts/gpu_check.py``  (world size = visible GPUs).
-``--cpu`` runs the very same checks on gloo/CPU (2 ranks) so the script itself is tested where no
-GPU exists. Prints one line per check and exits non-zero if any check fails.
+One command, a few minutes on one GPU:  ``python scripts/gpu_check.py``. Prints one
+``PASS``/``FAIL`` line per check and exits non-zero if any check fails (or none ran).
+
+1. ``cli.*``: the real CLI (``python -m fullshard.app.cli ...``, a subprocess each) at world
+   size 1 on NCCL: ``train`` with saves and ``--stop-after``, ``--resume latest``, ``convert``,
+   a Hugging Face model (``hf:llama-tiny``), ``trace``, ``bench --mixed-precision bf16``,
+   ``plan --check``, and ``train`` on 2 ranks sharing the GPU over gloo; each checks the exit
+   status and the files the command must write.
+2. ``nccl1.*``, ``gloo2.*``, ``gloo4.*``: parity of every strategy against one unsharded
+   model, bf16, CPU offload and a sharded checkpoint save/load, in spawned ranks: NCCL with one
+   GPU per rank (world size = visible GPUs), then 2 and 4 ranks all on ``cuda:0`` over gloo
+   (gloo moves CUDA tensors; NCCL refuses two ranks on one GPU). See ``gpu_check_ranks.py``.
+
+``--cpu`` runs the same checks on gloo/CPU (``gloo1``, ``gloo2``, ``gloo4``), so the script
+itself is tested where no GPU exists; ``--quick`` or ``--only PATTERNS`` pick a subset and
+``--list`` prints the names. The ranks and the CLI run from this checkout: ``src`` is put on
+``PYTHONPATH`` for every child, so no install is needed.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import fnmatch
+import json
+import math
+import multiprocessing as mp
 import os
+import signal
+import subprocess
 import sys
 import tempfile
-import traceback
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+sys.path[:0] = [str(SRC), str(HERE)]  # this checkout's fullshard, and gpu_check_ranks
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p
+)  # for every child: spawned ranks, the CLI and its torchrun ranks
 
-from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm_, parallelize
+import gpu_check_ranks as ranks  # noqa: E402
+import torch  # noqa: E402
 
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d + 3)
-        self.fc2 = nn.Linear(4 * d + 3, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, vocab: int = 101, d: int = 64, n: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
+QUICK = ("cli.train", "cli.resume", "cli.convert", "*2.parity.full_shard", "*2.checkpoint")
+CLI_TIMEOUT_S = 300.0  # one CLI command (torchrun and its ranks included)
+GROUP_TIMEOUT_S = 360.0  # one spawned group, all its checks
+COLLECTIVE_TIMEOUT_S = 120.0  # any one wait inside a group (a dead peer fails, never hangs)
+Check = Callable[["Cli"], tuple[bool, str]]
 
 
-def _loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    logits = model(idx[:, :-1]).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+class Cli:
+    """Runs ``python -m fullshard.app.cli`` in a scratch folder, on ``device`` ("cuda"/"cpu")."""
 
+    def __init__(self, work: Path, device: str, deadline: float) -> None:
+        self.work = work
+        self.device = device
+        self.deadline = deadline  # time.monotonic() by which every check must be done
+        self.runs = work / "runs"
+        self._base: subprocess.CompletedProcess[str] | None = None
 
-def _train(
-    rank: int, world: int, device: torch.device, strategy: str, steps: int, **kw: object
-) -> dict:
-    torch.manual_seed(0)
-    ref = Net().to(device)
-    mesh = None
-    if strategy.startswith("hybrid"):
-        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    model = parallelize(copy.deepcopy(ref), strategy=strategy, unit_types=(Block,), mesh=mesh, **kw)  # type: ignore[arg-type]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1)
-    data = [
-        [torch.randint(101, (4, 33), generator=g).to(device) for _ in range(world)]
-        for _ in range(steps)
-    ]
-    losses = []
-    for step in range(steps):
-        loss = _loss(model, data[step][rank])
-        loss.backward()
-        clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        for r in range(world):
-            _loss(ref, data[step][r]).backward()
-        for p in ref.parameters():
-            p.grad.div_(world)  # type: ignore[union-attr]
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        losses.append(loss.item())
-    sd = model.state_dict()
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sd.items()}
-    diff = max((full[k].to(device) - v).abs().max().item() for k, v in ref.state_dict().items())
-    return {
-        "diff": diff,
-        "losses": losses,
-        "shard_device": str(next(model.parameters()).device),
-        "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0.0,
-    }
-
-
-def _checks(rank: int, world: int, device: torch.device) -> list[tuple[str, bool, str]]:
-    out: list[tuple[str, bool, str]] = []
-    tol = 1e-4  # float32 on GPU: kernels may reorder sums
-    strategies = ["full_shard", "shard_grad_op", "no_shard"]
-    if world >= 4 and world % 2 == 0:
-        strategies += ["hybrid_shard", "hybrid_shard_zero2"]
-    for s in strategies:
-        r = _train(rank, world, device, s, 5)
-        out.append(
-            (
-                f"parity {s}",
-                r["diff"] < tol,
-                f"max param diff {r['diff']:.2e}, peak {r['peak_mib']:.0f} MiB",
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [sys.executable, "-m", "fullshard.app.cli", *args]
+        limit = min(CLI_TIMEOUT_S, max(1.0, self.deadline - time.monotonic()))
+        # its own session: on timeout the CLI, its torchrun and the ranks end together
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            return subprocess.CompletedProcess(
+                cmd, 124, out, err + f"\ntimed out after {limit:.0f} s"
             )
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    def train(self, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        """A short tiny-model run on one rank, on this device."""
+        return self.run(
+            "train", "--model", "tiny", "--nproc", "1", "--device", self.device,
+            "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "1", "--log-every", "1",
+            "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "8",
+            "--timeout", "120", "--runs-dir", str(self.runs), "--name", name, *extra,
+        )  # fmt: skip
+
+    def base(self) -> subprocess.CompletedProcess[str]:
+        """The run ``cli.train`` makes (and ``cli.resume`` / ``cli.convert`` continue)."""
+        if self._base is None:
+            self._base = self.train(
+                "base", "--max-steps", "6", "--save-every", "2", "--stop-after", "4", "--keep", "5"
+            )
+        return self._base
+
+
+def _failed(proc: subprocess.CompletedProcess[str]) -> str:
+    tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-3:]
+    return f"exit status {proc.returncode}: " + " | ".join(line[:200] for line in tail)
+
+
+def _records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _missing(folder: Path, names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if not (folder / n).is_file()]
+
+
+RUN_FILES = ("config.toml", "metrics.jsonl", "loss.png", "sample.txt", "summary.json")
+
+
+def cli_train(cli: Cli) -> tuple[bool, str]:
+    proc = cli.base()
+    if proc.returncode != 0:
+        return False, _failed(proc)
+    run = cli.runs / "base"
+    ckpts = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    steps = [r["step"] for r in _records(run)]
+    missing = _missing(run, ("config.toml", "metrics.jsonl"))
+    ok = ckpts == ["step_00000002", "step_00000004"] and steps == [1, 2, 3, 4] and not missing
+    ok = ok and all((run / "checkpoints" / c / "manifest.json").is_file() for c in ckpts)
+    ok = ok and "stopped after step 4" in proc.stdout
+    return ok, f"4 of 6 steps (--stop-after), checkpoints {ckpts}, missing files {missing}"
+
+
+def cli_resume(cli: Cli) -> tuple[bool, str]:
+    if cli.base().returncode != 0:
+        return False, "the cli.train run failed"
+    proc = cli.train("base", "--max-steps", "6", "--save-every", "2", "--resume", "latest")
+    if proc.returncode != 0:
+        return False, _failed(proc)
+    run = cli.runs / "base"
+    steps = [r["step"] for r in _records(run)]
+    last = _records(run)[-1]
+    ok = "resumed from step 4" in proc.stdout and steps == [1, 2, 3, 4, 5, 6]
+    ok = ok and math.isfinite(last["loss"]) and not _missing(run, RUN_FILES)
+    ok = ok and (run / "checkpoints" / "step_00000006" / "manifest.json").is_file()
+    return ok, f"resumed from step 4 to 6, logged steps {steps}, final loss {last['loss']}"
+
+
+def cli_convert(cli: Cli) -> tuple[bool, str]:
+    if cli.base().returncode != 0:
+        return False, "the cli.train run failed"
+    out = cli.work / "converted"
+    proc = cli.run("convert", str(cli.runs / "base" / "checkpoints"), str(out))
+    if proc.returncode != 0:
+        return False, _failed(proc)
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    n = sum(t.numel() for t in weights.values())
+    finite = all(bool(torch.isfinite(t).all()) for t in weights.values())
+    ok = "tok_embed.weight" in weights and n == 191_040 and finite  # the tiny model, unsharded
+    return ok, f"{len(weights)} tensors, {n:,} parameters (tiny: 191,040), finite {finite}"
+
+
+def cli_hf(cli: Cli) -> tuple[bool, str]:
+    proc = cli.train("hf", "--model", "hf:llama-tiny", "--max-steps", "3")
+    if proc.returncode != 0:
+        return False, _failed(proc)
+    run = cli.runs / "hf"
+    summary = json.loads((run / "summary.json").read_text())
+    ok = math.isfinite(summary["end_loss"]) and not _missing(run, RUN_FILES)
+    return (
+        ok,
+        f"hf:llama-tiny, 3 steps, loss {summary['start_loss']:.3f} -> {summary['end_loss']:.3f}",
+    )
+
+
+def cli_trace(cli: Cli) -> tuple[bool, str]:
+    out = cli.work / "trace"
+    proc = cli.run(
+        "trace", "--nproc", "1", "--device", cli.device, "--model", "tiny", "--steps", "2",
+        "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--out", str(out),
+    )  # fmt: skip
+    if proc.returncode != 0:
+        return False, _failed(proc)
+    missing = _missing(out, ("trace.json", "trace.png", "trace_summary.json"))
+    summary = json.loads((out / "trace_summary.json").read_text()) if not missing else {}
+    events = len(json.loads((out / "trace.json").read_text())["traceEvents"]) if not missing else 0
+    ok = not missing and summary.get("step_ms", 0) > 0 and events > 10
+    return ok, f"{events} trace events, step {summary.get('step_ms', 0):.1f} ms, missing {missing}"
+
+
+def cli_bench(cli: Cli) -> tuple[bool, str]:
+    out = cli.work / "bench"
+    proc = cli.run(
+        "bench", "--nproc", "1", "--device", cli.device, "--model", "tiny",
+        "--variants", "full_shard,fsdp2,ddp,single", "--mixed-precision", "bf16",
+        "--batch-size", "2", "--seq-len", "32", "--warmup", "1", "--rounds", "2",
+        "--memory-steps", "2", "--timeout", "240", "--out", str(out),
+    )  # fmt: skip
+    if proc.returncode != 0:
+        return False, _failed(proc)
+    missing = _missing(out, ("bench.json", "bench.md", "bench.png"))
+    if missing:
+        return False, f"missing {missing}"
+    summary = json.loads((out / "bench.json").read_text())
+    figs = summary["variants"]
+    ok = summary["config"]["dtype"] == "bfloat16" and len(figs) == 4
+    ok = ok and all(0 < f["issue_ms_median"] <= f["step_ms_median"] for f in figs.values())
+    peaks = ""
+    if cli.device == "cuda":  # the caching allocator's peaks, per variant
+        alloc = [f["memory"]["cuda_max_allocated_mib"] or 0 for f in figs.values()]
+        ok = ok and all(a > 0 for a in alloc)
+        peaks = ", CUDA peak allocated MiB " + ", ".join(f"{a:.1f}" for a in alloc)
+    issue = ", ".join(f"{n} {100 * f['issue_fraction']:.0f}%" for n, f in figs.items())
+    return ok, f"bf16, issue/step: {issue}{peaks}"
+
+
+def cli_plan(cli: Cli) -> tuple[bool, str]:
+    proc = cli.run(
+        "plan", "--model", "tiny", "--devices", "1", "--batch", "2", "--seq", "32", "--check",
+        "--check-device", cli.device,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        return False, _failed(proc)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("peak per rank")), "")
+    return bool(line), line or "no 'peak per rank' line"
+
+
+def cli_share(cli: Cli) -> tuple[bool, str]:
+    proc = cli.run(
+        "train", "--model", "tiny", "--nproc", "2", "--backend", "gloo", "--device", cli.device,
+        "--max-steps", "3", "--seq-len", "32", "--batch-size", "4", "--log-every", "1",
+        "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--timeout", "120",
+        "--runs-dir", str(cli.runs), "--name", "share",
+    )  # fmt: skip
+    if proc.returncode != 0:
+        return False, _failed(proc)
+    records = _records(cli.runs / "share")
+    last = records[-1]
+    ok = "2 ranks (gloo)" in proc.stdout and len(last["mem_mib"]) == 2
+    mem = f"RSS MiB per rank {last['mem_mib']}"
+    if cli.device == "cuda":
+        ok = ok and len(last.get("cuda_peak_mib", [])) == 2
+        mem = f"CUDA peak MiB per rank {last.get('cuda_peak_mib')}"
+    return ok, f"2 ranks on one {cli.device} device over gloo, 3 steps, loss {last['loss']}, {mem}"
+
+
+CLI_CHECKS: dict[str, Check] = {
+    "cli.train": cli_train,
+    "cli.resume": cli_resume,
+    "cli.convert": cli_convert,
+    "cli.hf": cli_hf,
+    "cli.trace": cli_trace,
+    "cli.bench": cli_bench,
+    "cli.plan": cli_plan,
+    "cli.share": cli_share,
+}
+
+
+def groups(cpu: bool) -> list[tuple[str, str, int]]:
+    """``(backend, device type, world size)`` of each spawned group."""
+    if cpu:
+        return [("gloo", "cpu", 1), ("gloo", "cpu", 2), ("gloo", "cpu", 4)]
+    return [("nccl", "cuda", torch.cuda.device_count()), ("gloo", "cuda", 2), ("gloo", "cuda", 4)]
+
+
+def all_names(cpu: bool) -> list[str]:
+    names = list(CLI_CHECKS)
+    for backend, _, world in groups(cpu):
+        names += [f"{backend}{world}.{c}" for c in ranks.check_names(world)]
+    return names
+
+
+def run_group(
+    backend: str, device_type: str, world: int, checks: list[str], work: Path, deadline: float
+) -> list[tuple[str, bool, str, float]]:
+    """Spawn the group's ranks, wait (bounded), merge their verdicts (all ranks must pass)."""
+    prefix = f"{backend}{world}."
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=work))
+    outs = [str(folder / f"rank{r}.json") for r in range(world)]
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=ranks.run_group_rank,
+            args=(
+                r,
+                world,
+                backend,
+                device_type,
+                str(folder / "store"),
+                outs[r],
+                checks,
+                COLLECTIVE_TIMEOUT_S,
+            ),  # fmt: skip
         )
-    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    a = _train(rank, world, device, "full_shard", 20)
-    b = _train(rank, world, device, "full_shard", 20, mp_policy=bf16)
-    gap = max(abs(x - y) / x for x, y in zip(a["losses"][-5:], b["losses"][-5:], strict=True))
-    out.append(
-        ("bf16 tracks fp32", gap < 0.05, f"max relative loss gap over last 5 of 20 steps {gap:.4f}")
-    )
-    off = _train(rank, world, device, "full_shard", 5, offload_policy=CPUOffloadPolicy())
-    ok = off["diff"] < tol and off["shard_device"] == "cpu"
-    out.append(
-        ("cpu offload", ok, f"shards on {off['shard_device']}, max param diff {off['diff']:.2e}")
-    )
-    return out
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = min(deadline, time.monotonic() + GROUP_TIMEOUT_S)
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    late = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    per_rank = [json.loads(Path(o).read_text()) if Path(o).is_file() else [] for o in outs]
+    return merge(prefix, checks, per_rank, late)
 
 
-def _worker(rank: int, world: int, store: str, cpu: bool, result: str) -> None:
-    backend = "gloo" if cpu else "nccl"
-    device = torch.device("cpu") if cpu else torch.device("cuda", rank)
-    if not cpu:
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group(
-        backend, store=dist.FileStore(store, world), rank=rank, world_size=world
-    )
-    try:
-        res = _checks(rank, world, device)
-    except Exception:
-        res = [("exception", False, traceback.format_exc())]
-    if rank == 0:
-        with open(result, "w") as f:
-            for name, ok, info in res:
-                f.write(f"{'PASS' if ok else 'FAIL'}  {name}: {info}\n")
-    dist.barrier()  # leave together: tearing down gloo while a peer still works can abort
-    dist.destroy_process_group()
+def merge(
+    prefix: str, checks: list[str], per_rank: list[list[dict[str, Any]]], late: list[int]
+) -> list[tuple[str, bool, str, float]]:
+    """One verdict per check from every rank's: a PASS needs every rank's; a FAIL names the
+    ranks that failed or never reported (``late``: ranks killed at the time limit)."""
+    results = []
+    for name in checks:
+        got = [next((v for v in vs if v["name"] == name), None) for vs in per_rank]
+        ok = all(v is not None and v["ok"] for v in got)
+        info = got[0]["info"] if got[0] is not None else "not run"
+        bad = [
+            f"rank {r}: {v['info'] if v else 'not run'}"
+            for r, v in enumerate(got)
+            if v is None or not v["ok"]
+        ]
+        if bad:
+            info = "; ".join(bad[:2]) + (f"; ranks {late} killed at the time limit" if late else "")
+        results.append((prefix + name, ok, info, max((v["s"] for v in got if v), default=0.0)))
+    return results
+
+
+class Report:
+    """The PASS/FAIL lines, printed as they come, and the time budget they share."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self.deadline = time.monotonic() + budget_s
+        self.results: list[tuple[str, bool]] = []
+
+    def add(self, name: str, ok: bool, info: str, seconds: float) -> None:
+        self.results.append((name, ok))
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {info} ({seconds:.1f} s)", flush=True)
+
+    def spent(self, names: list[str]) -> bool:
+        """True (and each of ``names`` a FAIL) once the budget is gone."""
+        if time.monotonic() < self.deadline:
+            return False
+        for name in names:
+            self.add(name, False, f"not run: the --budget of {self.budget_s:.0f} s is spent", 0)
+        return True
+
+
+def run_checks(chosen: list[str], cpu: bool, report: Report) -> None:
+    """The chosen CLI checks, then each group's chosen checks, in a scratch folder."""
+    with tempfile.TemporaryDirectory(prefix="fullshard-gpu-check-") as tmp:
+        cli = Cli(Path(tmp), "cpu" if cpu else "cuda", report.deadline)
+        for name in [n for n in chosen if n in CLI_CHECKS]:
+            if report.spent([name]):
+                continue
+            t0 = time.perf_counter()
+            try:
+                ok, info = CLI_CHECKS[name](cli)
+            except Exception as exc:  # a check's own bug is a FAIL line, not a crash
+                ok, info = False, f"raised {type(exc).__name__}: {exc}"
+            report.add(name, ok, info, time.perf_counter() - t0)
+        for backend, device_type, world in groups(cpu):
+            prefix = f"{backend}{world}."
+            checks = [n[len(prefix) :] for n in chosen if n.startswith(prefix)]
+            if checks and not report.spent([prefix + c for c in checks]):
+                group = run_group(backend, device_type, world, checks, Path(tmp), report.deadline)
+                for result in group:
+                    report.add(*result)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="run the same checks on gloo/CPU, 2 ranks")
-    ap.add_argument("--nproc", type=int, default=0, help="ranks (default: GPUs, or 2 with --cpu)")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="run the same checks on gloo/CPU")
+    ap.add_argument("--quick", action="store_true", help="a short subset: " + ", ".join(QUICK))
+    ap.add_argument("--only", default="", help="comma list of check names or fnmatch patterns")
+    ap.add_argument("--list", action="store_true", help="print the check names and exit")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=470.0,
+        help="seconds for all checks; a check that would start later fails as not run "
+        "(default: 470, under 8 minutes)",
+    )
     args = ap.parse_args()
     if not args.cpu and not torch.cuda.is_available():
         print("no CUDA GPU visible: nothing to check (use --cpu for a dry run on gloo)")
         return 0
-    world = args.nproc or (2 if args.cpu else torch.cuda.device_count())
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.txt")
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), args.cpu, result), nprocs=world)
-        with open(result) as f:
-            text = f.read()
-    device = "cpu (gloo)" if args.cpu else f"{torch.cuda.get_device_name(0)} x{world} (nccl)"
-    print(f"fullshard GPU check on {device}, world size {world}, torch {torch.__version__}")
-    print(text, end="")
-    return 0 if "FAIL" not in text else 1
+    names = all_names(args.cpu)
+    if args.list:
+        print("\n".join(names))
+        return 0
+    patterns = list(QUICK) if args.quick else [p.strip() for p in args.only.split(",") if p.strip()]
+    chosen = [n for n in names if not patterns or any(fnmatch.fnmatch(n, p) for p in patterns)]
+    where = "CPU (gloo)"
+    if not args.cpu:
+        # the count only: naming the GPU would open a CUDA context in this process, which a
+        # GPU in exclusive mode would then refuse to the ranks
+        where = f"{torch.cuda.device_count()} CUDA device(s)"
+    print(f"fullshard GPU check on {where}, torch {torch.__version__}: {len(chosen)} checks")
+    started = time.perf_counter()
+    report = Report(args.budget)
+    run_checks(chosen, args.cpu, report)
+    failed = [name for name, ok in report.results if not ok]
+    print(
+        f"{len(report.results) - len(failed)} of {len(report.results)} checks passed in "
+        f"{time.perf_counter() - started:.0f} s"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+    return 0 if report.results and not failed else 1
 
 
 if __name__ == "__main__":

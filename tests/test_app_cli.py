@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from fullshard.app.config import load_toml
 
@@ -48,13 +50,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg.write_text('model = "demo"\nmax_steps = 1000\nprogress = false\n')
     variants = {
         "a": ["--config", str(cfg)],  # the file says demo/1000 steps, BASE's flags must win
-        "a_again": ["--no-progress"],
+        "a_again": [],  # the progress bar on, but stdout and stderr are pipes: no bar lines
         "b": ["--no-progress", "--strategy", "shard_grad_op", "--grad-accum", "2"],
     }
     for name, extra in variants.items():
         proc = run_train([*BASE, *extra, "--runs-dir", str(root), "--name", name])
         assert proc.returncode == 0, f"run {name} failed:\n{proc.stdout}\n{proc.stderr}"
         (root / name / "stdout.txt").write_text(proc.stdout)
+        (root / name / "stderr.txt").write_text(proc.stderr)
     return root
 
 
@@ -106,6 +109,15 @@ def test_shard_grad_op_with_accumulation_matches_full_shard(runs: Path) -> None:
         (["--data", "/no/such/corpus.txt"], "data path '/no/such/corpus.txt' does not exist"),
         (["--model", "gpt5"], "unknown model 'gpt5'"),
         (["--nproc", "3", "--batch-size", "16"], "not divisible by world size 3"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda: no CUDA device is visible",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is visible"),
+        ),
+        pytest.param(
+            ["--backend", "nccl", "--device", "cpu"],
+            "--backend nccl moves CUDA tensors only",
+        ),
     ],
 )
 def test_bad_input_fails_fast_with_a_clear_message(args: list[str], message: str) -> None:
@@ -113,3 +125,58 @@ def test_bad_input_fails_fast_with_a_clear_message(args: list[str], message: str
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_no_progress_bar_lines_in_pipes_but_plain_log_lines(runs: Path) -> None:
+    # "a_again" ran with the progress bar on, its output captured (not a terminal): tqdm stays
+    # silent instead of writing a line per update, and each logged step is one plain line.
+    stdout = (runs / "a_again" / "stdout.txt").read_text()
+    stderr = (runs / "a_again" / "stderr.txt").read_text()
+    assert "step/s" not in stderr and "it/s" not in stderr and "%|" not in stderr
+    logged = [line for line in stdout.splitlines() if line.startswith("step ")]
+    steps = [int(line.split()[1].split("/")[0]) for line in logged]
+    assert steps == [r["step"] for r in records(runs / "a_again")]
+    assert all("/40: loss " in line and "tok/s | mem r0 " in line for line in logged)
+    assert sum("val_loss" in line for line in logged) == 2
+
+
+def test_trace_with_nproc_launches(tmp_path: Path) -> None:
+    # "--nproc" reached torchrun's own parser once ("ambiguous option: --nproc could match
+    # --nproc-per-node"); the ranks now get full-name flags without it.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    args = ["--nproc", "3", "--model", "tiny", "--steps", "1", "--warmup", "1",
+            "--batch-size", "2", "--seq-len", "16", "--timeout", "120", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "fullshard.app.cli", "trace", *args],
+        capture_output=True, text=True, timeout=240, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "trace_summary.json").read_text())
+    assert summary["world_size"] == 3 and summary["steps"] == 1
+    assert len(summary["per_rank"]) == 3
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if "pid" in e} >= {0, 1, 2}
+    assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_bar_only_on_a_terminal() -> None:
+    from fullshard.app.trainer import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    pipe = io.StringIO()
+    bar = progress_bar(10, 0, True, file=pipe)
+    assert bar.disable  # not a terminal: tqdm's disable=None turns it off
+    for _ in range(10):
+        bar.update(1)
+    bar.close()
+    assert pipe.getvalue() == ""
+    terminal = Terminal()
+    bar = progress_bar(10, 3, True, file=terminal)
+    assert not bar.disable
+    bar.update(1)
+    bar.close()
+    assert "4/10" in terminal.getvalue()
+    assert progress_bar(10, 0, False) is None  # --no-progress

@@ -62,6 +62,7 @@ def test_resolved_toml_round_trips(tmp_path: Path) -> None:
         ('max_steps = "ten"', "'max_steps' .* must be int"),
         ("progress = 1", "'progress' .* must be bool"),
         ('strategy = "zero3"', "must be one of full_shard, shard_grad_op"),
+        ('backend = "mpi"', "'backend' .* must be one of auto, nccl, gloo"),
         ("model = ", "not valid TOML"),
     ],
 )
@@ -89,6 +90,7 @@ def test_missing_config_file() -> None:
         (TrainConfig(max_steps=0), 2, "--max-steps must be at least 1"),
         (TrainConfig(val_fraction=1.0), 2, "--val-fraction"),
         (TrainConfig(model="hf:gpt7-giant"), 2, "gpt7-giant"),
+        (TrainConfig(device="cpu", backend="nccl"), 2, "--backend nccl moves CUDA tensors only"),
     ],
 )
 def test_validation_messages(cfg: TrainConfig, world: int, message: str) -> None:
@@ -102,3 +104,19 @@ def test_help_documents_every_option() -> None:
     for f in fields(TrainConfig):
         assert "--" + f.name.replace("_", "-") in text, f.name
     assert "--config" in text and "metrics.jsonl" in text
+
+
+def test_backend_from_toml_and_flags(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('backend = "gloo"\ndevice = "cpu"\n')
+    cfg = resolve(["--config", str(path)])
+    assert (cfg.backend, cfg.device) == ("gloo", "cpu")
+    assert resolve(["--config", str(path), "--backend", "auto"]).backend == "auto"
+    assert load_toml_text(to_toml(cfg), tmp_path)["backend"] == "gloo"  # the run's config.toml
+    validate(cfg, world_size=2)
+
+
+def load_toml_text(text: str, tmp_path: Path) -> dict:
+    path = tmp_path / "resolved.toml"
+    path.write_text(text)
+    return load_toml(str(path))

@@ -54,9 +54,14 @@ def test_writes_json_table_and_plot(bench: tuple[int, Path, dict[str, Any]]) -> 
     for name in ("full_shard", "fsdp2", "ddp"):
         assert f"| {name} |" in table
     assert list(summary["variants"]) == ["full_shard", "fsdp2", "ddp"]
+    assert "issue ms (% step)" in table
+    assert summary["config"]["dtype"] == "float32" and summary["config"]["device"] == "cpu"
     for fig in summary["variants"].values():
         assert fig["step_ms_median"] > 0
         assert len(fig["step_ms_rounds"]) == 2
+        # on CPU the host does the work as it issues it: issue time is (almost all) step time
+        assert 0 < fig["issue_ms_median"] <= fig["step_ms_median"]
+        assert fig["issue_fraction"] == pytest.approx(1.0, abs=0.05)
         assert fig["tokens_per_step"] == 2 * 16
         assert fig["tokens_per_s"] > 0
     assert summary["variants"]["ddp"]["step_vs_ddp"] == pytest.approx(1.0)
@@ -141,6 +146,47 @@ def test_external_torchrun_writes_a_timing_report(tmp_path: Path) -> None:
     assert "| single |" in proc.stdout
 
 
+def test_bf16_gathers_half_the_bytes_and_reduces_in_float32(tmp_path: Path) -> None:
+    # --mixed-precision bf16: fullshard and FSDP2 gather bfloat16 parameters (half the bytes of
+    # the fp32 model) and reduce float32 gradients; DDP (autocast) all-reduces its float32
+    # gradients. Measured at the c10d dispatcher, so the policies really reached the ranks.
+    args = _args(
+        "--model=tiny",
+        "--variants=full_shard,fsdp2,ddp",
+        "--mixed-precision=bf16",
+        "--batch-size=2",
+        "--seq-len=16",
+        "--rounds=1",
+        "--no-memory",
+        "--timeout=300",
+        f"--out={tmp_path}",
+    )
+    assert main_bench(args) == 0
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    assert summary["config"]["dtype"] == "bfloat16"
+    assert summary["config"]["master_dtype"] == "float32"
+    root = summary["config"]["root_fraction"]
+    for name, rs in (("full_shard", "all_to_all"), ("fsdp2", "reduce_scatter")):
+        units = summary["variants"][name]["comm_units"]
+        assert units["all_gather"] == pytest.approx((2 - root) / 2, abs=0.02), name
+        assert units[rs] == pytest.approx(1, abs=0.02), name
+    assert summary["variants"]["ddp"]["comm_units"]["all_reduce"] == pytest.approx(1, abs=1e-3)
+    assert summary["checks"]["max_loss_difference_between_distributed_variants"] < 0.05
+    assert "bfloat16 compute" in (tmp_path / "bench.md").read_text()
+
+
+def test_one_rank(tmp_path: Path) -> None:
+    args = _args("--model=tiny", "--nproc=1", "--batch-size=2", "--seq-len=16", "--rounds=1",
+                 "--no-memory", "--timeout=300", f"--out={tmp_path}")  # fmt: skip
+    assert main_bench(args) == 0
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    assert summary["config"]["world_size"] == 1
+    assert list(summary["variants"]) == default_variants(1)  # no hybrid at one rank
+    assert not any(v.startswith("hybrid") for v in default_variants(1))
+    for fig in summary["variants"].values():
+        assert fig["tokens_per_step"] == 2 * 16 and fig["step_ms_median"] > 0
+
+
 def test_variant_choice() -> None:
     assert default_variants(2) == [
         "full_shard",
@@ -162,6 +208,8 @@ def test_bad_options_fail_before_launching(tmp_path: Path, capsys: pytest.Captur
     assert main_bench(_args("--variants=zero3", f"--out={tmp_path}")) == 2
     assert "unknown bench variant" in capsys.readouterr().err
     assert main_bench(_args("--model=nope", f"--out={tmp_path}")) == 2
+    assert main_bench(_args("--backend=nccl", "--device=cpu", f"--out={tmp_path}")) == 2
+    assert "--backend nccl moves CUDA tensors only" in capsys.readouterr().err
     assert not (tmp_path / "bench.json").exists()
 
 
@@ -181,6 +229,11 @@ def test_help_documents_every_option() -> None:
         "--threads",
         "--timeout",
         "--no-memory",
+        "--mixed-precision",
+        "--device",
+        "--backend",
     ):
         assert flag in text
+    for size in ("tiny", "small", "gpt2-124m", "1b"):
+        assert size in text
     assert "--bench-phase" not in text  # internal

@@ -18,7 +18,12 @@ Method (DESIGN.md, "Performance method"), in two kinds of launch:
    taken after process-group init and imports (the peak is reset after wrapping, so building the
    unsharded model does not count). Pass two, on a fresh copy: the peak of live tensor storage
    from the profiler's allocator events (every variant alike), and for fullshard the
-   ``MemoryTracker``'s peak by category.
+   ``MemoryTracker``'s peak by category. On CUDA also the allocator's peaks
+   (``max_memory_allocated`` / ``max_memory_reserved``, reset after wrapping).
+
+Each step reports its *issue time* next to its step time (NOTE [Issue time] in
+:mod:`fullshard.app.bench_variants`): on CUDA a step ends with a device synchronisation, and the
+issue time is taken just before it.
 
 ``main_bench`` (outside torchrun) runs the launches and writes the report (see
 :mod:`fullshard.app.bench_report`); ``run_bench_rank`` is one rank's body.
@@ -34,23 +39,38 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from fullshard.app.bench_variants import (
+    FULLSHARD_VARIANTS,
+    MIXED_PRECISION,
+    VARIANTS,
+    C10dCounter,
+    Variant,
+    bench_step,
+    build_variant,
+    default_variants,
+    finish_step,
+    make_batches,
+    parse_variants,
+)
 from fullshard.app.launch import (
+    add_device_arguments,
+    check_devices,
+    forward_flags,
     init_distributed,
     launch_local,
     leave_together,
+    resolve_backend,
     under_torchrun,
 )
+from fullshard.app.models import MODEL_SIZES
+from fullshard.dist import control
 
 __all__ = [
     "FULLSHARD_VARIANTS",
@@ -62,65 +82,29 @@ __all__ = [
     "run_bench_rank",
 ]
 
-FULLSHARD_VARIANTS = (
-    "full_shard",
-    "shard_grad_op",
-    "no_shard",
-    "hybrid_shard",
-    "hybrid_shard_zero2",
-)
-VARIANTS = (*FULLSHARD_VARIANTS, "fsdp2", "ddp", "single")
-VOCAB = 256  # the built-in models' byte-level vocabulary
 OBSERVED_STEPS = 2  # untimed fullshard steps under the Recorder, for exposed communication
 MMAP_THRESHOLD = "65536"
-
-# c10d op name -> collective kind. Bytes are the *full* buffer each collective covers: the
-# all-gather output, the reduce-scatter input, the all-reduce tensor (the model-unit convention).
-C10D_KINDS = {
-    "_allgather_base_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "allgather_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    # fullshard's reduce-scatter on gloo (NOTE [Reduce-scatter on gloo]): same bytes
-    "alltoall_base_": "all_to_all",
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "broadcast_": "broadcast",
-}
-
-
-def default_variants(nproc: int) -> list[str]:
-    """Every fullshard strategy that makes sense at ``nproc`` ranks, FSDP2, DDP, one process."""
-    names = ["full_shard", "shard_grad_op", "no_shard"]
-    if nproc >= 4 and nproc % 2 == 0:
-        names.append("hybrid_shard")  # a (2, nproc/2) mesh; below 4 ranks it is FULL_SHARD
-    return [*names, "fsdp2", "ddp", "single"]
-
-
-def parse_variants(text: str, nproc: int) -> list[str]:
-    """``--variants``: a comma list (empty = :func:`default_variants`); raises ``ValueError``."""
-    names = [v.strip().lower() for v in text.split(",") if v.strip()]
-    if not names:
-        return default_variants(nproc)
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown bench variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
-    hybrid = [v for v in names if v.startswith("hybrid")]
-    if hybrid and (nproc < 4 or nproc % 2):
-        raise ValueError(f"{hybrid} need an even --nproc of at least 4 (got {nproc})")
-    return list(dict.fromkeys(names))  # drop repeats, keep order
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fullshard bench`` (every user-facing one documented in ``--help``)."""
-    p.add_argument("--model", default="small", help="built-in model size (default: small, ~10M)")
+    p.add_argument(
+        "--model",
+        default="small",
+        help=f"built-in model size ({', '.join(MODEL_SIZES)}) or hf:NAME (default: small, ~10M)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default: 2)")
     p.add_argument(
         "--batch-size", type=int, default=8, help="sequences per rank per step (default: 8)"
     )
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
+    p.add_argument(
+        "--mixed-precision",
+        default="none",
+        choices=MIXED_PRECISION,
+        help="bf16: fullshard and FSDP2 compute in bfloat16 and reduce gradients in float32, DDP "
+        "and single run under torch.autocast; master weights stay float32 (default: none)",
+    )
     p.add_argument(
         "--warmup", type=int, default=1, help="untimed rounds of every variant first (default: 1)"
     )
@@ -137,6 +121,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "no_shard, hybrid_shard at >= 4 ranks, fsdp2, ddp, single)",
     )
     p.add_argument("--out", default="runs/bench", help="output folder (default: runs/bench)")
+    add_device_arguments(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1)")
     p.add_argument(
         "--pin-cores",
@@ -166,85 +151,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# one rank: building variants and stepping them
-
-
-@dataclass
-class Variant:
-    """One way of training the same model on this rank (``active``: this rank takes part)."""
-
-    name: str
-    model: nn.Module
-    opt: torch.optim.Optimizer
-    active: bool = True
-
-
-def _build(name: str, model_name: str, rank: int, world: int, device: torch.device) -> Variant:
-    """The model, wrapped the way ``name`` says, and its AdamW (built after wrapping)."""
-    from fullshard.app.models import build_model, unit_types_of
-
-    model = build_model(model_name, VOCAB, seed=0, device=device)
-    if name in FULLSHARD_VARIANTS:
-        from fullshard.app.wrap import shard_model
-
-        shard_model(model, name, unit_types_of(model), shard_size=world // 2)
-    elif name == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        units = unit_types_of(model)
-        for m in [m for m in model.modules() if m is not model and isinstance(m, units)]:
-            fully_shard(m)
-        fully_shard(model)
-    elif name == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
-    elif name != "single":
-        raise ValueError(f"unknown variant {name!r}")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return Variant(name, model, opt, active=name != "single" or rank == 0)
-
-
-def _step(v: Variant, batch: torch.Tensor) -> float:
-    """One training step (forward, loss, backward, optimizer); returns the loss."""
-    logits = v.model(batch[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
-    loss.backward()
-    v.opt.step()
-    v.opt.zero_grad(set_to_none=True)
-    return float(loss.detach())
-
-
-def _batches(args: argparse.Namespace, rank: int, n: int, device: torch.device) -> list[Any]:
-    # Seeded by rank: every variant sees the same batches in the same order.
-    gen = torch.Generator().manual_seed(1000 + rank)
-    return [
-        torch.randint(VOCAB, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-        for _ in range(n)
-    ]
-
-
-class C10dCounter(TorchDispatchMode):
-    """Calls and bytes of every c10d collective dispatched while active (as tests/commcount.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: dict[str, int] = defaultdict(int)
-        self.bytes: dict[str, int] = defaultdict(int)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.namespace == "c10d" and func._opname in C10D_KINDS:
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            for a in args:
-                if isinstance(a, (list, tuple)):
-                    tensors += [t for t in a if isinstance(t, torch.Tensor)]
-            if tensors:
-                kind = C10D_KINDS[func._opname]
-                self.calls[kind] += 1
-                self.bytes[kind] += max(t.numel() * t.element_size() for t in tensors)
-        return func(*args, **(kwargs or {}))
+# one rank: timing
 
 
 def _setup_rank(args: argparse.Namespace) -> tuple[int, int, torch.device]:
-    info = init_distributed("auto", args.timeout)
+    info = init_distributed(args.device, args.timeout, args.backend)
     if info.device.type == "cpu":
         torch.set_num_threads(args.threads)
         cores = list(range(info.local_rank * args.threads, (info.local_rank + 1) * args.threads))
@@ -261,7 +172,7 @@ def _model_facts(model_name: str) -> dict[str, Any]:
     """Parameter count and the share of it in the root unit (gathered once per step, not twice)."""
     from fullshard.app.models import build_model, count_params, unit_types_of
 
-    model = build_model(model_name, VOCAB, seed=0, device="meta")
+    model = build_model(model_name, 256, seed=0, device="meta")
     units = unit_types_of(model)
     in_units = {id(p) for m in model.modules() if isinstance(m, units) for p in m.parameters()}
     n = count_params(model)
@@ -269,62 +180,81 @@ def _model_facts(model_name: str) -> dict[str, Any]:
     return {"params": n, "model_bytes": 4 * n, "root_fraction": root / n}
 
 
+def _build_all(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> list:
+    names = parse_variants(args.variants, world)
+    return [build_variant(n, args.model, rank, world, device, args.mixed_precision) for n in names]
+
+
+def _timed_step(v: Variant, batch: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    """``(step seconds, issue seconds)`` of one step, the device's work included."""
+    t0 = time.perf_counter()
+    loss, issued = bench_step(v, batch)
+    finish_step(device)
+    end = time.perf_counter()
+    v.last_loss = float(loss)  # read after the synchronisation: costs no device wait
+    return end - t0, issued - t0
+
+
 def _time_all(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:
     """The timing launch: round-robin timed steps, then counted and observed steps."""
     from fullshard.observe.timeline import Recorder, exposed_seconds, root_schedule
 
-    names = parse_variants(args.variants, world)
-    variants = [_build(n, args.model, rank, world, device) for n in names]
-    batches = _batches(args, rank, args.warmup + args.rounds + 1 + OBSERVED_STEPS, device)
+    variants = _build_all(args, rank, world, device)
+    names = [v.name for v in variants]
+    n_batches = args.warmup + args.rounds + 1 + OBSERVED_STEPS
+    batches = make_batches(args.batch_size, args.seq_len, rank, n_batches, device)
     for r in range(args.warmup):
         for v in variants:
-            dist.barrier()
+            control.host_barrier(what="bench warm-up barrier")
             if v.active:
-                _step(v, batches[r])
+                _timed_step(v, batches[r], device)
     for v in variants:
         if v.name in FULLSHARD_VARIANTS:
             root_schedule(v.model).stats.reset()
-    times: dict[str, list[float]] = {v.name: [] for v in variants}
-    losses: dict[str, list[float]] = {v.name: [] for v in variants}
+    times: dict[str, list[float]] = {n: [] for n in names}
+    issue: dict[str, list[float]] = {n: [] for n in names}
+    losses: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         batch = batches[args.warmup + r]
         for v in variants:
             # Collect now, untimed: a full collection triggered inside a step would be charged
             # to whichever variant happened to cross the threshold.
             gc.collect()
-            dist.barrier()  # every rank starts the step together
+            control.host_barrier(what="bench step barrier")  # every rank starts together
             if v.active:
-                t0 = time.perf_counter()
-                losses[v.name].append(_step(v, batch))
-                times[v.name].append(time.perf_counter() - t0)
+                step_s, issue_s = _timed_step(v, batch, device)
+                times[v.name].append(step_s)
+                issue[v.name].append(issue_s)
+                losses[v.name].append(v.last_loss)
     result: dict[str, Any] = {}
     k = args.warmup + args.rounds
     for v in variants:
-        entry: dict[str, Any] = {"times_s": times[v.name], "losses": losses[v.name]}
+        entry: dict[str, Any] = {
+            "times_s": times[v.name],
+            "issue_s": issue[v.name],
+            "losses": losses[v.name],
+        }
         if v.name in FULLSHARD_VARIANTS:
             stats = root_schedule(v.model).stats
             entry["commstats_bytes"] = {kk: b / args.rounds for kk, b in stats.bytes.items()}
-        dist.barrier()
+        control.host_barrier(what="bench count barrier")
         if v.active and v.name != "single":
             # The dispatch mode slows every op a little: this step is counted, never timed.
             with C10dCounter() as counter:
-                _step(v, batches[k])
+                _timed_step(v, batches[k], device)
             entry["c10d_bytes"] = dict(counter.bytes)
             entry["c10d_calls"] = dict(counter.calls)
         if v.name in FULLSHARD_VARIANTS:
             recorder = Recorder().attach(v.model, v.opt)
             observed = []
             for i in range(OBSERVED_STEPS):
-                dist.barrier()
-                t0 = time.perf_counter()
-                _step(v, batches[k + 1 + i])
-                observed.append(time.perf_counter() - t0)
+                control.host_barrier(what="bench observed-step barrier")
+                observed.append(_timed_step(v, batches[k + 1 + i], device)[0])
             recorder.detach()
             entry["exposed_s"] = exposed_seconds(recorder.events) / OBSERVED_STEPS
             entry["observed_step_s"] = statistics.median(observed)
         result[v.name] = entry
-    per_rank: list[Any] = [None] * world
-    dist.all_gather_object(per_rank, result)
+    per_rank = control.all_gather_objects(result)
     return {"world": world, "variants": names, "per_rank": per_rank}
 
 
@@ -399,29 +329,38 @@ def _memory_one(args: argparse.Namespace, rank: int, world: int, device: torch.d
 
     name = parse_variants(args.variants, world)[0]
     steps = max(1, args.memory_steps)
-    batches = _batches(args, rank, steps, device)
+    batches = make_batches(args.batch_size, args.seq_len, rank, steps, device)
     _prime()
     gc.collect()
     baseline = (_proc_status_kib("VmRSS") or 0) * 1024
-    v = _build(name, args.model, rank, world, device)
+    v = build_variant(name, args.model, rank, world, device, args.mixed_precision)
     gc.collect()
+    if device.type == "cuda":
+        # The unsharded model built before wrapping is gone; so is its cached block.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     reset = _reset_peak_rss()  # from here: training state and step transients only
     for b in batches:
-        _step(v, b)
+        bench_step(v, b)
+        finish_step(device)
     out: dict[str, Any] = {
         "baseline_rss_bytes": baseline,
         "rss_growth_bytes": _peak_rss_bytes() - baseline,
         "rss_peak_reset": reset,
     }
+    if device.type == "cuda":
+        out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     del v
     gc.collect()
     marker = "fullshard_bench_steps"
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        v = _build(name, args.model, rank, world, device)
+        v = build_variant(name, args.model, rank, world, device, args.mixed_precision)
         tracker = None
         with record_function(marker):
             for i, b in enumerate(batches):
-                _step(v, b)
+                bench_step(v, b)
+                finish_step(device)
                 if i == 0 and name in FULLSHARD_VARIANTS:
                     # attached after the first forward, which sets up the root's units
                     tracker = MemoryTracker().attach(v.model, v.opt)
@@ -431,8 +370,7 @@ def _memory_one(args: argparse.Namespace, rank: int, world: int, device: torch.d
         out["tracker_peaks"] = tracker.peaks
         out["tracker_peak_bytes"] = max(p["total"] for p in tracker.peaks.values())
     del v, tracker, prof
-    per_rank: list[Any] = [None] * world
-    dist.all_gather_object(per_rank, out)
+    per_rank = control.all_gather_objects(out)
     return {"world": world, "variant": name, "per_rank": per_rank}
 
 
@@ -470,11 +408,11 @@ def run_bench_rank(args: argparse.Namespace) -> int:
 
 
 def _rank_flags(args: argparse.Namespace, variants: list[str]) -> list[str]:
-    # Full option names only: torchrun's parser would claim abbreviations such as --nproc.
-    names = ("model", "batch_size", "seq_len", "warmup", "rounds", "threads", "timeout")
-    flags = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names]
-    flags += [f"--memory-steps={args.memory_steps}", f"--variants={','.join(variants)}"]
-    return [*flags, "--pin-cores"] if args.pin_cores else flags
+    # Full option names, no --nproc (torchrun's parser would claim it: see forward_flags).
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_bench_arguments(parser)
+    skip = ("nproc", "variants", "out", "no_memory", "bench_phase", "bench_result")
+    return [*forward_flags(parser, args, exclude=skip), f"--variants={','.join(variants)}"]
 
 
 def _launch(nproc: int, argv: list[str], env: dict[str, str], timeout: float) -> int:
@@ -496,6 +434,7 @@ def _rank_env(memory: bool) -> dict[str, str]:
 
 def _config(args: argparse.Namespace, world: int, variants: list[str]) -> dict[str, Any]:
     facts = _model_facts(args.model)
+    device_type, backend = resolve_backend(args.device, args.backend)
     return {
         "model": args.model,
         **facts,
@@ -510,7 +449,12 @@ def _config(args: argparse.Namespace, world: int, variants: list[str]) -> dict[s
         "threads": args.threads,
         "pin_cores": args.pin_cores,
         "variants": variants,
-        "dtype": "float32",
+        # the compute dtype; master weights and optimizer state are float32 in every variant
+        "dtype": "bfloat16" if args.mixed_precision == "bf16" else "float32",
+        "master_dtype": "float32",
+        "mixed_precision": args.mixed_precision,
+        "device": device_type,
+        "backend": backend,
         "optimizer": "AdamW",
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
@@ -529,6 +473,7 @@ def main_bench(args: argparse.Namespace) -> int:
         if min(args.nproc, args.batch_size, args.seq_len, args.rounds, args.threads) < 1:
             raise ValueError("--nproc, --batch-size, --seq-len, --rounds, --threads must be >= 1")
         _model_facts(args.model)
+        check_devices(args.device, args.backend, args.nproc)  # ConfigError is a ValueError
     except (ValueError, KeyError) as exc:
         print(f"fullshard bench: error: {exc}", file=sys.stderr)
         return 2

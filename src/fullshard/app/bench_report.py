@@ -6,12 +6,18 @@ Markdown. Conventions:
 
 - step time: per round, the slowest rank's step (the step is done when every rank is); the
   median over rounds. tokens/s = global tokens per step / that median.
+- issue time: per round, the slowest rank's time to issue its step (NOTE [Issue time] in
+  :mod:`fullshard.app.bench_variants`); the median over rounds, and its ratio to the step time.
+  On CPU the host does the work as it issues it: issue time is the step time (ratio ~1). On
+  CUDA a ratio well below 1 means the host runs ahead of the GPU; near 1, the host is the
+  bottleneck or waited on the device inside the step.
 - communication: bytes of every collective kind in one step, as the c10d dispatcher saw them,
   each collective counted as the full buffer it covers, divided by the model's fp32 bytes.
 - exposed communication: fullshard's timeline (time blocked waiting for a collective). FSDP2
   and DDP expose no such hook: "n/a", and the column "step - single" (the step time minus one
   process doing one rank's work without communication) bounds comm + wrapper overhead for all.
-- memory: the largest rank's figure (every rank's is in the JSON).
+- memory: the largest rank's figure (every rank's is in the JSON); on CUDA also the caching
+  allocator's peaks (allocated and reserved), reset after wrapping.
 """
 
 from __future__ import annotations
@@ -42,9 +48,13 @@ def _timing_of(name: str, per_rank: list[dict[str, Any]], model_bytes: int) -> d
     entries = [r[name] for r in per_rank]
     active = [e for e in entries if e["times_s"]]
     rounds = [max(ts) for ts in zip(*(e["times_s"] for e in active), strict=True)]
+    issue = [max(ts) for ts in zip(*(e["issue_s"] for e in active), strict=True)]
     fig: dict[str, Any] = {
         "step_ms_median": 1e3 * statistics.median(rounds),
         "step_ms_rounds": [1e3 * t for t in rounds],
+        "issue_ms_median": 1e3 * statistics.median(issue),
+        "issue_ms_rounds": [1e3 * t for t in issue],
+        "issue_fraction": statistics.median(issue) / statistics.median(rounds),
         "step_ms_median_per_rank": [1e3 * statistics.median(e["times_s"]) for e in active],
         "loss_per_round": [
             statistics.fmean(ls) for ls in zip(*(e["losses"] for e in active), strict=True)
@@ -70,7 +80,13 @@ def _timing_of(name: str, per_rank: list[dict[str, Any]], model_bytes: int) -> d
 def _memory_of(raw: dict[str, Any]) -> dict[str, Any]:
     ranks = raw["per_rank"]
     fig: dict[str, Any] = {"per_rank": ranks}
-    for key in ("rss_growth_bytes", "live_peak_bytes", "tracker_peak_bytes"):
+    for key in (
+        "rss_growth_bytes",
+        "live_peak_bytes",
+        "tracker_peak_bytes",
+        "cuda_max_allocated_bytes",  # CUDA only: the caching allocator's peaks
+        "cuda_max_reserved_bytes",
+    ):
         fig[key.replace("_bytes", "_mib")] = (
             None if (m := _max_or_none([r.get(key) for r in ranks])) is None else m / MIB
         )
@@ -114,6 +130,12 @@ def summarize(
     return {"config": config, "variants": variants, "checks": checks, **extra}
 
 
+def _precision(cfg: dict[str, Any]) -> str:
+    if cfg.get("mixed_precision", "none") == "none":
+        return cfg["dtype"]
+    return f"{cfg['dtype']} compute, float32 master weights and gradient reduction"
+
+
 def _fmt(value: Any, spec: str, none: str = "n/a") -> str:
     return none if value is None else format(value, spec)
 
@@ -129,10 +151,12 @@ def _comm_cell(fig: dict[str, Any]) -> str:
 def markdown_table(summary: dict[str, Any]) -> str:
     """The table of ``bench.md`` (one row per variant) and the notes that say how it was made."""
     cfg = summary["config"]
+    cuda = cfg.get("device") == "cuda"
     head = (
-        "| variant | step ms (median) | x FSDP2 | x DDP | tokens/s | peak RSS growth MiB | "
-        "peak live tensors MiB | tracker peak MiB | comm/step (model units) | "
-        "exposed comm ms (% step) | step - single ms |"
+        "| variant | step ms (median) | issue ms (% step) | x FSDP2 | x DDP | tokens/s | "
+        "peak RSS growth MiB | peak live tensors MiB | tracker peak MiB | "
+        + ("CUDA peak allocated / reserved MiB | " if cuda else "")
+        + "comm/step (model units) | exposed comm ms (% step) | step - single ms |"
     )
     rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for name, f in summary["variants"].items():
@@ -141,21 +165,34 @@ def markdown_table(summary: dict[str, Any]) -> str:
         if "exposed_ms" in f:
             exposed = f"{f['exposed_ms']:.1f} ({100 * f['exposed_fraction']:.0f}%)"
         comm = "0 (one process)" if name == "single" else _comm_cell(f)
+        cuda_cell = ""
+        if cuda:
+            alloc = _fmt(mem.get("cuda_max_allocated_mib"), ".1f")
+            cuda_cell = f"{alloc} / {_fmt(mem.get('cuda_max_reserved_mib'), '.1f')} | "
         rows.append(
-            f"| {name} | {f['step_ms_median']:.1f} | {_fmt(f.get('step_vs_fsdp2'), '.2f')} | "
+            f"| {name} | {f['step_ms_median']:.1f} | {f['issue_ms_median']:.1f} "
+            f"({100 * f['issue_fraction']:.0f}%) | {_fmt(f.get('step_vs_fsdp2'), '.2f')} | "
             f"{_fmt(f.get('step_vs_ddp'), '.2f')} | {f['tokens_per_s']:.0f} | "
             f"{_fmt(mem.get('rss_growth_mib'), '.1f')} | {_fmt(mem.get('live_peak_mib'), '.1f')} | "
-            f"{_fmt(mem.get('tracker_peak_mib'), '.1f')} | {comm} | {exposed} | "
+            f"{_fmt(mem.get('tracker_peak_mib'), '.1f')} | {cuda_cell}{comm} | {exposed} | "
             f"{_fmt(f.get('step_minus_single_ms') if name != 'single' else None, '.1f', '-')} |"
         )
     notes = [
         "",
-        f"Model `{cfg['model']}` ({cfg['params'] / 1e6:.2f}M parameters, {cfg['dtype']}, "
-        f"{cfg['optimizer']}), {cfg['world_size']} ranks x {cfg['threads']} thread(s), batch "
+        f"Model `{cfg['model']}` ({cfg['params'] / 1e6:.2f}M parameters, {_precision(cfg)}, "
+        f"{cfg['optimizer']}), {cfg['world_size']} ranks x {cfg['threads']} thread(s) "
+        f"({cfg.get('device', 'cpu')}, {cfg.get('backend', 'gloo')}), batch "
         f"{cfg['batch_size']} x {cfg['seq_len']} tokens per rank; {cfg['warmup']} warm-up and "
         f"{cfg['rounds']} timed rounds, every variant one step per round in turn, a barrier "
         "before each step; a round's step time is the slowest rank's. torch "
         f"{cfg['torch']}, {cfg['cpu_count']} CPUs.",
+        "- Issue time: time for the host to issue a step, before the step's final "
+        "synchronisation (on CUDA: `torch.cuda.synchronize()`), slowest rank per round; "
+        + (
+            "a small share of the step means the host runs ahead of the GPU."
+            if cuda
+            else "on CPU the host does the work as it issues it, so issue time = step time."
+        ),
         "- `single`: one process, one rank's batch, whole model, no communication; it runs on "
         "rank 0 of the same launch while the other ranks wait at a barrier. Its tokens/s counts "
         "one rank's tokens.",

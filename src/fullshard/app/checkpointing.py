@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fullshard import get_state_dict, set_state_dict
 from fullshard.app.data import RankBatches
 from fullshard.checkpoint import CheckpointManager, latest_checkpoint
 from fullshard.checkpoint.store import MANIFEST
+from fullshard.dist import control
 
 __all__ = ["RunState", "TrainCheckpoints"]
 
@@ -37,12 +37,6 @@ class RunState:
     scheduler: dict[str, Any]
     samplers: list[dict[str, Any]] = field(default_factory=list)
     rng: list[torch.Tensor] = field(default_factory=list)
-
-
-def _gather(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 class TrainCheckpoints:
@@ -73,19 +67,17 @@ class TrainCheckpoints:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         run = RunState(
             step=step,
-            world_size=dist.get_world_size(),
+            world_size=control.world_size(),
             scheduler=self.scheduler.state_dict(),
-            samplers=_gather(self.sampler.state_dict()),
-            rng=_gather(torch.get_rng_state()),
+            samplers=control.all_gather_objects(self.sampler.state_dict()),
+            rng=control.all_gather_objects(torch.get_rng_state()),
         )
         return {"model": model_sd, "optim": optim_sd, "run": run}
 
     def save(self, step: int) -> str:
         """Checkpoint after ``step`` optimizer steps (committed atomically)."""
         self.last_saved = step
-        return self.manager.save(
-            step, self._state(step), meta={"world_size": dist.get_world_size()}
-        )
+        return self.manager.save(step, self._state(step), meta={"world_size": control.world_size()})
 
     def wait(self) -> None:
         self.manager.wait()
@@ -111,8 +103,8 @@ class TrainCheckpoints:
         )
         run: RunState = state["run"]
         self.scheduler.load_state_dict(run.scheduler)
-        rank = dist.get_rank()
-        if run.world_size == dist.get_world_size():
+        rank = control.rank()
+        if run.world_size == control.world_size():
             self.sampler.load_state_dict(run.samplers[rank])
             torch.set_rng_state(run.rng[rank])
         else:

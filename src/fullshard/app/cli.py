@@ -109,16 +109,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         allow_abbrev=False,
     )
     add_plan_arguments(plan)
-    check = plan.add_argument_group("check mode")
-    check.add_argument(
-        "--check",
-        action="store_true",
-        help="model mode: also run the model on --devices local ranks and print predicted vs "
-        "measured peak memory per phase and category",
-    )
-    check.add_argument(
-        "--check-steps", type=int, default=2, help="measured training steps (default: 2)"
-    )
+    from fullshard.app.plan_check import add_check_arguments
+
+    add_check_arguments(plan)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -159,17 +152,27 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace, argv: list[str]) -> int:
-    from fullshard.app.launch import launch_local, under_torchrun
-    from fullshard.observe.plan_model import run
+def _plan(args: argparse.Namespace) -> int:
+    from fullshard.app.launch import check_devices, forward_flags, launch_local, under_torchrun
+    from fullshard.observe.plan_model import add_plan_arguments, run
 
     if args.check:
+        from fullshard.app.plan_check import (
+            add_check_arguments,
+            check_json,
+            check_rank,
+            check_target,
+            format_check,
+        )
+
         if args.model is None:
             raise ConfigError("--check runs a model: give --model (model mode)")
         if not under_torchrun():
-            return launch_local(args.devices, argv)
-        from fullshard.app.plan_check import check_json, check_rank, format_check
-
+            check_devices(*check_target(args), args.devices, flag="--check-device")
+            parser = argparse.ArgumentParser(allow_abbrev=False)
+            add_plan_arguments(parser)
+            add_check_arguments(parser)
+            return launch_local(args.devices, ["plan", *forward_flags(parser, args)])
         res = check_rank(args)
         if os.environ["RANK"] == "0":
             print(check_json(res) if args.json else format_check(res), flush=True)
@@ -181,13 +184,16 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _trace(args: argparse.Namespace, argv: list[str]) -> int:
-    from fullshard.app.launch import launch_local, under_torchrun
+def _trace(args: argparse.Namespace) -> int:
+    from fullshard.app.launch import check_devices, forward_flags, launch_local, under_torchrun
+    from fullshard.app.tracing import add_trace_arguments, run_trace
 
     if not under_torchrun():
-        return launch_local(args.nproc, argv)
-    from fullshard.app.tracing import run_trace
-
+        check_devices(args.device, args.backend, args.nproc)
+        # Full-name flags without --nproc, which torchrun's parser would claim (see forward_flags)
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        add_trace_arguments(parser)
+        return launch_local(args.nproc, ["trace", *forward_flags(parser, args, exclude=("nproc",))])
     run_trace(args)
     return 0
 
@@ -203,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             return _convert(args)
         if args.command == "plan":
-            return _plan(args, argv)
+            return _plan(args)
         if args.command == "trace":
-            return _trace(args, argv)
+            return _trace(args)
         if args.command == "bench":
             from fullshard.app.bench import main_bench, run_bench_rank
             from fullshard.app.launch import under_torchrun

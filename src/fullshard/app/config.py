@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import sys
 import typing
 from dataclasses import dataclass, field, fields
@@ -38,6 +39,7 @@ __all__ = [
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 MIXED_PRECISION = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "nccl", "gloo")  # fullshard.app.launch.BACKENDS; here to keep config light
 
 
 class ConfigError(ValueError):
@@ -196,6 +198,14 @@ class TrainConfig:
         group="launch",
         choices=DEVICES,
     )
+    backend: str = _opt(
+        "auto",
+        "process-group backend: auto (NCCL on CUDA, gloo on CPU), nccl, or gloo (on CUDA: the "
+        "ranks share the visible GPUs, rank r on cuda:(r %% GPUs); a test mode, as NCCL refuses "
+        "two ranks on one GPU)",
+        group="launch",
+        choices=BACKENDS,
+    )
     threads: int = _opt(1, "torch threads per rank on CPU", group="launch")
     timeout: float = _opt(
         300.0, "seconds any collective may wait before the run fails", group="launch"
@@ -335,8 +345,6 @@ def hybrid_shard_size(cfg: TrainConfig, world_size: int) -> int:
     """Ranks per shard group for the hybrid strategies (``--shard-size``, or a default)."""
     if cfg.shard_size > 0:
         return cfg.shard_size
-    import os
-
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if local < world_size:
         return local  # several nodes: shard inside a node, replicate across nodes
@@ -422,8 +430,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"--seq-len {cfg.seq_len} exceeds model {name!r}'s context of "
             f"{MODEL_SIZES[name].max_seq_len} tokens"
         )
-    if cfg.device == "cuda":
-        import torch
+    from fullshard.app.launch import check_devices
 
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda, but CUDA is not available here; use --device cpu")
+    # No device is touched: the same verdict on every rank, and in the CLI before launching.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    check_devices(cfg.device, cfg.backend, local)

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from fullshard.dist import control
 from fullshard.policies import FullshardError
 
 __all__ = ["Fault", "NonFiniteError", "agree_nonfinite", "fault_from_env"]
@@ -58,12 +58,15 @@ def fault_from_env() -> Fault | None:
     return Fault(kind, int(values.get("rank", 0)), int(values.get("step", 1)))
 
 
-def agree_nonfinite(loss: float, grad_norm: float, device: torch.device) -> bool:
-    """True on every rank if any rank's loss, or the global gradient norm, is not finite.
+def agree_nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """1.0 on every rank if any rank's loss, or the global gradient norm, is not finite, else 0.0.
 
-    The gradient norm is already global (``clip_grad_norm_`` all-reduces it); the loss is this
-    rank's, so its verdict is all-reduced (MAX) to make the decision the same everywhere.
+    The vote stays on the device (no host read here): this rank's 0/1 flag is built with
+    ``torch.isfinite`` and all-reduced (MAX), and the caller reads it together with the step's
+    other figures in the step's one synchronisation. The gradient norm is already global
+    (``clip_grad_norm_`` all-reduces it); voting on it too costs nothing and keeps the verdict
+    one tensor.
     """
-    flag = torch.tensor([0.0 if torch.isfinite(torch.tensor(loss)) else 1.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0) or not torch.isfinite(torch.tensor(grad_norm)).item()
+    finite = torch.isfinite(loss.detach()).all() & torch.isfinite(grad_norm.detach()).all()
+    flag = (~finite).to(torch.float64).reshape(1)
+    return control.all_reduce_values(flag, "max", what="non-finite vote all-reduce")

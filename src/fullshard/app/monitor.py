@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from fullshard.dist import control
 
 __all__ = [
     "MetricsLog",
@@ -40,17 +41,15 @@ def gather_memory(device: torch.device) -> dict[str, list[float]]:
     """Every rank's memory in MiB, gathered with one tiny all_gather (a collective: call on all).
 
     Returns ``{"rss_mib": [...]}`` and, on CUDA, ``{"cuda_peak_mib": [...]}``, indexed by rank.
+    Reads the result on the host (a synchronisation): call it on logged steps only.
     """
     values = [rss_bytes() / 2**20]
     if device.type == "cuda":
         values.append(torch.cuda.max_memory_allocated(device) / 2**20)
-    local = torch.tensor(values, dtype=torch.float64, device=device)
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, local)
-    table = torch.stack(parts).cpu()
-    result = {"rss_mib": [round(float(v), 1) for v in table[:, 0]]}
+    table = control.all_gather_values(values, what="memory all-gather").tolist()
+    result = {"rss_mib": [round(row[0], 1) for row in table]}
     if device.type == "cuda":
-        result["cuda_peak_mib"] = [round(float(v), 1) for v in table[:, 1]]
+        result["cuda_peak_mib"] = [round(row[1], 1) for row in table]
     return result
 
 

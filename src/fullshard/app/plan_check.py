@@ -18,17 +18,17 @@ import resource
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from fullshard.app.launch import rank_session
+from fullshard.app.launch import rank_session, resolve_backend
 from fullshard.app.models import build_model, unit_types_of
 from fullshard.app.wrap import shard_model
+from fullshard.dist import control
 from fullshard.observe.memory import CATEGORIES, PHASES, MemoryTracker
 from fullshard.observe.plan import PlanConfig
 from fullshard.observe.plan_model import plan_model
 
-__all__ = ["check_rank", "format_check"]
+__all__ = ["add_check_arguments", "check_json", "check_rank", "check_target", "format_check"]
 
 MIB = 2**20
 
@@ -38,19 +38,50 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / MIB
 
 
+def add_check_arguments(plan: argparse.ArgumentParser) -> None:
+    """The ``check mode`` options of ``fullshard plan``."""
+    check = plan.add_argument_group("check mode")
+    check.add_argument(
+        "--check",
+        action="store_true",
+        help="model mode: also run the model on --devices local ranks and print predicted vs "
+        "measured peak memory per phase and category",
+    )
+    check.add_argument(
+        "--check-steps", type=int, default=2, help="measured training steps (default: 2)"
+    )
+    check.add_argument(
+        "--check-device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where the check runs: auto (CUDA if visible), cpu (gloo) or cuda (with the "
+        "planned --backend: nccl, one GPU per rank, or gloo, the ranks sharing the GPUs)",
+    )
+
+
+def check_target(args: argparse.Namespace) -> tuple[str, str]:
+    """``(device, backend)`` the check runs on: the planned ``--backend`` on CUDA, gloo on CPU
+    (where the planned backend may be NCCL: the check then measures the gloo variant)."""
+    device_type, _ = resolve_backend(args.check_device, "auto", flag="--check-device")
+    return args.check_device, args.backend if device_type == "cuda" else "gloo"
+
+
 def check_rank(args: argparse.Namespace) -> dict[str, Any]:
     """One rank of the check (under torchrun); returns predicted and measured figures."""
-    with rank_session("auto", 300.0) as info:
-        return _check(args, info.rank, info.world_size, info.device)
+    device, backend = check_target(args)
+    with rank_session(device, 300.0, backend) as info:
+        return _check(args, info.rank, info.world_size, info.device, info.backend)
 
 
-def _check(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+def _check(
+    args: argparse.Namespace, rank: int, world: int, device: torch.device, backend: str
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     config = PlanConfig(
         strategy=args.strategy,
         hybrid_group=args.hybrid_group,
         precision="fp32",
-        backend="gloo",
+        backend=backend,
         batch=args.batch,
         seq=args.seq or 128,
     )
@@ -73,8 +104,7 @@ def _check(args: argparse.Namespace, rank: int, world: int, device: torch.device
     assert tracker is not None
     tracker.detach()
     mine = {"peaks": tracker.peaks, "rss_growth_mib": _rss_mib() - rss0}
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine)
+    everyone = control.all_gather_objects(mine)
     predicted = {p: plan.phases[p].categories() for p in PHASES}
     for p in PHASES:
         predicted[p]["total"] = plan.phases[p].total - plan.phases[p].other

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from fullshard.app.config import STRATEGIES
-from fullshard.app.launch import rank_session
+from fullshard.app.launch import add_device_arguments, rank_session
 from fullshard.app.models import build_model, count_params, unit_types_of
 from fullshard.app.wrap import shard_model
+from fullshard.dist import control
 from fullshard.observe.memory import MemoryTracker
 from fullshard.observe.plot import draw_timeline
 from fullshard.observe.timeline import (
@@ -57,6 +57,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untraced steps first (default: 2)")
     p.add_argument("--steps", type=int, default=2, help="traced steps (default: 2)")
     p.add_argument("--out", default="runs/trace", help="output folder (default: runs/trace)")
+    add_device_arguments(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
 
@@ -66,11 +67,13 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -
     F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1)).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if x.is_cuda:  # a step's time includes its GPU work, not just the host's issuing of it
+        torch.cuda.synchronize(x.device)
 
 
 def run_trace(args: argparse.Namespace) -> dict[str, Any]:
     """One rank's part of ``fullshard trace`` (under torchrun); returns the summary."""
-    with rank_session("auto", args.timeout) as info:
+    with rank_session(args.device, args.timeout, args.backend) as info:
         return _trace(args, info.rank, info.world_size, info.device)
 
 
@@ -93,7 +96,7 @@ def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device
     memory = MemoryTracker().attach(model, opt)
     stats = root_schedule(model).stats
     stats.reset()
-    dist.barrier()
+    control.host_barrier(what="trace start barrier")  # every rank's clock starts together
     origin = time.perf_counter()
     step_times = []
     for i in range(args.steps):
@@ -104,17 +107,14 @@ def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device
     recorder.detach()
     memory.detach()
     events = gather_events(recorder.events)
-    origins: list[Any] = [None] * world
-    dist.all_gather_object(origins, origin)
+    origins = control.all_gather_objects(origin)
     exposed = exposed_seconds(recorder.events) / args.steps
-    per_rank: list[Any] = [None] * world
-    dist.all_gather_object(
-        per_rank,
+    per_rank = control.all_gather_objects(
         {
             "step_s": statistics.median(step_times),
             "exposed_s": exposed,
             "memory_peaks": memory.peaks,
-        },
+        }
     )
     model_bytes = n_params * 4
     summary = {

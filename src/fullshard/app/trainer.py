@@ -2,6 +2,10 @@
 
 Order matters for "errors on every rank, never a hang": everything that can fail on bad input
 (config, data, model) happens before the first collective, computed identically on every rank.
+
+On a GPU the host must run ahead of the device: a training step reads device values on the host
+once (loss, gradient norm and the non-finite vote, in one ``.tolist()`` before the optimizer
+step, which needs the verdict). Logged steps read a little more (metrics, memory).
 """
 
 from __future__ import annotations
@@ -11,10 +15,9 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,8 +43,9 @@ from fullshard.app.models import (
     unit_types_of,
 )
 from fullshard.app.monitor import MetricsLog, format_mem, gather_memory, make_run_dir, plot_losses
+from fullshard.dist import control
 
-__all__ = ["lr_lambda", "param_groups", "train"]
+__all__ = ["log_line", "lr_lambda", "param_groups", "progress_bar", "to_device", "train"]
 
 # Parameter-name fragments that get no weight decay: decaying biases, norm gains or embedding
 # rows toward zero only fights the model (they are not "capacity" in the way weight matrices are).
@@ -75,6 +79,16 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without waiting for the device: a pageable host-to-GPU copy blocks
+    the host until the GPU has finished everything queued before it, so batches go through
+    pinned memory, asynchronously (the caching host allocator keeps the pinned buffer alive
+    until the copy has run)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list, device: torch.device) -> float | None:
     """Mean validation loss over every rank's batches (an all_reduce: call on all ranks)."""
@@ -83,17 +97,38 @@ def evaluate(model: nn.Module, batches: list, device: torch.device) -> float | N
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in batches:
-        total[0] += _loss(model, x.to(device), y.to(device)).double()
+        total[0] += _loss(model, to_device(x, device), to_device(y, device)).double()
         total[1] += 1
     model.train()
-    dist.all_reduce(total)
-    return float(total[0] / total[1])
+    loss_sum, count = control.all_reduce_values(total, what="validation loss all-reduce").tolist()
+    return loss_sum / count
 
 
-def _global_mean(values: list[float], device: torch.device) -> float:
-    t = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return float(t[0] / t[1])
+def _global_mean(values: list[float]) -> float:
+    total = control.all_reduce_values([sum(values), len(values)], what="loss all-reduce")
+    loss_sum, count = total.tolist()
+    return float(loss_sum / count)
+
+
+def progress_bar(total: int, initial: int, enabled: bool, file: TextIO | None = None) -> Any:
+    """The rank-0 progress bar, or ``None`` when ``enabled`` is false.
+
+    ``disable=None`` is tqdm's "only on a terminal": redirected to a log file (or under a
+    launcher that pipes it), a bar would write one line per update; the plain log lines of
+    :func:`log_line` say the same on each logged step instead.
+    """
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, initial=initial, unit="step", dynamic_ncols=True, disable=None, file=file
+    )
+
+
+def log_line(step: int, total: int, loss: float, tok_s: float, mem: str) -> str:
+    """One logged step as plain text (what the progress bar shows, for logs and pipes)."""
+    return f"step {step}/{total}: loss {loss:.4f} | {tok_s:,.0f} tok/s | mem {mem}"
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -101,7 +136,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     validate(cfg, world_size_from_env(cfg.nproc))
     tokenizer = build_tokenizer(cfg.tokenizer)
     tokens = encode_corpus(load_text(cfg.data), tokenizer)
-    with rank_session(cfg.device, cfg.timeout) as info:
+    with rank_session(cfg.device, cfg.timeout, cfg.backend) as info:
         return _train(cfg, info, tokenizer, tokens)
 
 
@@ -151,10 +186,11 @@ def _train(
         run_dir = make_run_dir(cfg.runs_dir, cfg.name)
         (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
     # every rank needs the same checkpoint folder: rank 0 named the run folder
-    box = [cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")]
-    dist.broadcast_object_list(box, src=0)
+    folder = control.broadcast_object(
+        cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")
+    )
     ckpt = TrainCheckpoints(
-        box[0], model, opt, sched, sampler, keep=cfg.keep, async_save=cfg.async_save
+        folder, model, opt, sched, sampler, keep=cfg.keep, async_save=cfg.async_save
     )
     resume = cfg.resume
     if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
@@ -175,10 +211,7 @@ def _train(
             f"grad-accum {cfg.grad_accum} -> run folder {run_dir}",
             flush=True,
         )
-        if cfg.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.max_steps, initial=done, unit="step", dynamic_ncols=True)
+        bar = progress_bar(cfg.max_steps, done, cfg.progress)
 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses: list[float] = []
@@ -187,21 +220,30 @@ def _train(
     stopped, step = False, done
     for step in range(done + 1, cfg.max_steps + 1):
         poison = fault.at_step(step, rank) if fault is not None else False
-        step_loss = 0.0
+        # The step's figures (loss, gradient norm, non-finite vote) stay on the device until
+        # the step's one read below: no per-micro-batch float(loss) stalls the host.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for k in range(cfg.grad_accum):
             # Reduce-scatter gradients only on the last micro-batch; earlier ones accumulate
             # into the unsharded gradients locally.
             set_gradient_sync(model, k == cfg.grad_accum - 1)
             x, y = sampler.next_batch()
-            loss = _loss(model, x.to(device), y.to(device)) / cfg.grad_accum
+            loss = _loss(model, to_device(x, device), to_device(y, device)) / cfg.grad_accum
             if poison:
                 loss = loss * float("nan")
             (scaler.scale(loss) if scaler is not None else loss).backward()
-            step_loss += float(loss.detach())
+            loss_sum += loss.detach().double()
         if scaler is not None:
             scaler.unscale_(opt)
-        grad_norm = clip_gradients(model.parameters(), cfg.clip)
-        bad = scaler is None and agree_nonfinite(step_loss, grad_norm, device)
+        norm = clip_gradients(model.parameters(), cfg.clip)
+        figures = [loss_sum, norm.detach().to(device, torch.float64).reshape(())]
+        if scaler is None:  # with fp16 the scaler's own vote decides (it skips and rescales)
+            figures.append(agree_nonfinite(loss_sum, norm).to(device).reshape(()))
+        # The step's one host synchronisation: the host must know the verdict before the
+        # optimizer step, because a non-finite step is skipped on every rank.
+        read = torch.stack(figures).tolist()
+        step_loss, grad_norm = read[0], read[1]
+        bad = scaler is None and read[2] > 0
         if bad:
             # every rank reached the same verdict: no rank's parameters change this step
             skipped.append(step)
@@ -237,7 +279,7 @@ def _train(
                 bar.update(1)
             continue
         # Logged step: a few tiny collectives, on every rank.
-        mean_loss = _global_mean(losses, device)
+        mean_loss = _global_mean(losses)
         losses.clear()
         mem = gather_memory(device)
         val_loss = evaluate(model, val, device) if is_eval else None
@@ -261,13 +303,16 @@ def _train(
             if val_loss is not None:
                 record["val_loss"] = round(val_loss, 5)
             log.write(record)
-        if bar is not None:
+        if bar is not None and not bar.disable:
             bar.set_postfix_str(
                 f"loss {mean_loss:.3f} | {tok_s:,.0f} tok/s | mem {format_mem(mem)}"
             )
             bar.update(1)
             if val_loss is not None:
                 bar.write(f"step {step}: val_loss {val_loss:.4f}")
+        elif rank == 0:  # no bar on screen: a plain line per logged step
+            line = log_line(step, cfg.max_steps, mean_loss, tok_s, format_mem(mem))
+            print(line + ("" if val_loss is None else f" | val_loss {val_loss:.4f}"), flush=True)
         if stopped:  # as if preempted here: checkpoint, then leave
             if ckpt.last_saved != step:
                 ckpt.save(step)

@@ -15,8 +15,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, parallelize
+from fullshard.dist.device import accepted_devices
 
-__all__ = ["MIXED_PRECISION_DTYPES", "clip_gradients", "set_gradient_sync", "shard_model"]
+__all__ = [
+    "MIXED_PRECISION_DTYPES",
+    "clip_gradients",
+    "set_gradient_sync",
+    "shard_model",
+]
 
 MIXED_PRECISION_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,12 +35,14 @@ def shard_model(
     mixed_precision: str = "none",
     shard_size: int = 0,
     activation_checkpointing: bool = False,
+    device_type: str | None = None,
 ) -> nn.Module:
     """Shard ``model``: every submodule of a type in ``unit_types`` becomes one unit, then the root.
 
     ``strategy`` is a ``ShardingStrategy`` name; the hybrid ones shard inside groups of
     ``shard_size`` ranks and replicate across the groups (a 2-D mesh). The root keeps its
-    default ``reshard_after_forward`` (backward needs it again at once).
+    default ``reshard_after_forward`` (backward needs it again at once). ``device_type``: where
+    the units compute (default: where the model's parameters are).
     """
     dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     # Gradients are reduced in float32 even when computing in bf16/fp16: summing N ranks' low
@@ -45,11 +53,16 @@ def shard_model(
         raise ValueError(f"model {type(model).__name__} has no submodule of type {types}")
     mesh = None
     if strategy.startswith("hybrid"):
+        if device_type is None:
+            first = next(model.parameters(), None)
+            cuda = first is not None and first.device.type == "cuda"
+            device_type = "cuda" if cuda or "cpu" not in accepted_devices() else "cpu"
         world = dist.get_world_size()
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(
-            device, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+            device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
         )
+    # otherwise the engine puts the units where the model is (a GPU shared over gloo
+    # included), or on the GPU when the backend moves only CUDA tensors
     return parallelize(
         model,
         strategy=strategy,
@@ -66,12 +79,12 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
+def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm across all ranks' shards; returns the norm before clipping.
 
     With ``max_norm <= 0`` only measures (clipping to infinity). Call on every rank: the norm is
-    a collective over the shards.
+    a collective over the shards. The norm stays a tensor on the gradients' device: reading it
+    is the caller's one synchronisation of the step.
     """
     limit = max_norm if max_norm > 0 else float("inf")
-    norm = clip_grad_norm_(list(parameters), limit)
-    return float(norm)
+    return clip_grad_norm_(list(parameters), limit)

@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from fullshard.dist.collectives import all_reduce
+from fullshard.dist import control
 from fullshard.dist.mesh import default_timeout
 from fullshard.policies import FullshardError
 
@@ -106,13 +106,13 @@ def verify(folder: str) -> str:
 
 def _agree(message: str, group: dist.ProcessGroup | None) -> str:
     """Rank 0's message, on every rank."""
-    box = [message]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    return str(control.broadcast_object(message, 0, group))
 
 
 def _barrier(group: dist.ProcessGroup | None, what: str) -> None:
-    all_reduce(torch.zeros(1), group, what=what, timeout=default_timeout()).wait()
+    """Every rank's host arrives before any goes on (NOTE [Atomic commit] needs the hosts, not
+    just the device streams, to meet: the files are written by the hosts)."""
+    control.host_barrier(group, what=what)
 
 
 def snapshot(obj: Any) -> Any:

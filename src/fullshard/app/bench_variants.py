@@ -1,0 +1,230 @@
+"""The variants ``fullshard bench`` compares, and one training step of each.
+
+Every variant trains the same model (same initial weights, same batches) on this rank: each
+fullshard strategy, torch's FSDP2, torch's DDP, and ``single`` (one process, the whole model,
+one rank's batch). Master weights and the optimizer stay float32 everywhere; ``--mixed-precision
+bf16`` computes in bfloat16 the way each implementation does it: fullshard and FSDP2 gather
+bf16 parameters and reduce gradients in float32 (their mixed-precision policies), DDP and
+``single`` run forward and backward under ``torch.autocast``.
+
+NOTE [Issue time]
+On a GPU the host only *issues* work; the device runs it later. A step that never waits for the
+device lets the host run ahead and hide its own overheads (hooks, Python, launches) behind the
+GPU. :func:`bench_step` therefore returns when the host has issued everything, then the caller
+synchronises: "issue time" (start to the last issue) next to "step time" (start to the device's
+end) says how much host time a step costs and whether the host ever waited on the device inside
+the step (issue close to step time). On CPU the host does the work itself: issue time is the
+step time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fullshard.app.models import logits_of
+
+__all__ = [
+    "C10D_KINDS",
+    "FULLSHARD_VARIANTS",
+    "VARIANTS",
+    "C10dCounter",
+    "Variant",
+    "bench_step",
+    "build_variant",
+    "default_variants",
+    "finish_step",
+    "make_batches",
+    "parse_variants",
+]
+
+FULLSHARD_VARIANTS = (
+    "full_shard",
+    "shard_grad_op",
+    "no_shard",
+    "hybrid_shard",
+    "hybrid_shard_zero2",
+)
+VARIANTS = (*FULLSHARD_VARIANTS, "fsdp2", "ddp", "single")
+VOCAB = 256  # the built-in models' byte-level vocabulary
+MIXED_PRECISION = ("none", "bf16")
+
+# c10d op name -> collective kind. Bytes are the *full* buffer each collective covers: the
+# all-gather output, the reduce-scatter input, the all-reduce tensor (the model-unit convention).
+C10D_KINDS = {
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "allgather_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    # fullshard's reduce-scatter on gloo (NOTE [Reduce-scatter on gloo]): same bytes
+    "alltoall_base_": "all_to_all",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast",
+}
+
+
+def default_variants(nproc: int) -> list[str]:
+    """Every fullshard strategy that makes sense at ``nproc`` ranks, FSDP2, DDP, one process."""
+    names = ["full_shard", "shard_grad_op", "no_shard"]
+    if nproc >= 4 and nproc % 2 == 0:
+        names.append("hybrid_shard")  # a (2, nproc/2) mesh; below 4 ranks it is FULL_SHARD
+    return [*names, "fsdp2", "ddp", "single"]
+
+
+def parse_variants(text: str, nproc: int) -> list[str]:
+    """``--variants``: a comma list (empty = :func:`default_variants`); raises ``ValueError``."""
+    names = [v.strip().lower() for v in text.split(",") if v.strip()]
+    if not names:
+        return default_variants(nproc)
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown bench variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    hybrid = [v for v in names if v.startswith("hybrid")]
+    if hybrid and (nproc < 4 or nproc % 2):
+        raise ValueError(f"{hybrid} need an even --nproc of at least 4 (got {nproc})")
+    return list(dict.fromkeys(names))  # drop repeats, keep order
+
+
+@dataclass
+class Variant:
+    """One way of training the same model on this rank (``active``: this rank takes part).
+
+    ``autocast``: run forward and backward under ``torch.autocast`` in this dtype (DDP and
+    ``single`` with mixed precision; the sharded variants cast through their policies instead).
+    """
+
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    active: bool = True
+    autocast: torch.dtype | None = None
+    last_loss: float = float("nan")  # of the last timed step, read after its synchronisation
+
+
+def _fsdp2(model: nn.Module, world: int, device: torch.device, bf16: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fullshard.app.models import unit_types_of
+
+    kwargs: dict[str, Any] = {}
+    if bf16:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if device.type == "cuda":
+        # FSDP2's default mesh follows the accelerator; say so explicitly for ranks that share a
+        # GPU over gloo, whose world group is not a CUDA (NCCL) one.
+        kwargs["mesh"] = init_device_mesh("cuda", (world,))
+    units = unit_types_of(model)
+    for m in [m for m in model.modules() if m is not model and isinstance(m, units)]:
+        fully_shard(m, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def build_variant(
+    name: str,
+    model_name: str,
+    rank: int,
+    world: int,
+    device: torch.device,
+    mixed_precision: str = "none",
+) -> Variant:
+    """The model, wrapped the way ``name`` says, and its AdamW (built after wrapping)."""
+    from fullshard.app.models import build_model, unit_types_of
+
+    bf16 = mixed_precision == "bf16"
+    model = build_model(model_name, VOCAB, seed=0, device=device)
+    autocast = None
+    if name in FULLSHARD_VARIANTS:
+        from fullshard.app.wrap import shard_model
+
+        shard_model(
+            model,
+            name,
+            unit_types_of(model),
+            shard_size=world // 2,
+            mixed_precision=mixed_precision,
+            device_type=device.type,
+        )
+    elif name == "fsdp2":
+        _fsdp2(model, world, device, bf16)
+    elif name in ("ddp", "single"):
+        if name == "ddp":
+            model = nn.parallel.DistributedDataParallel(model)
+        autocast = torch.bfloat16 if bf16 else None
+    else:
+        raise ValueError(f"unknown variant {name!r}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return Variant(name, model, opt, active=name != "single" or rank == 0, autocast=autocast)
+
+
+def bench_step(v: Variant, batch: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """One training step (forward, loss, backward, optimizer), issued but not waited for.
+
+    Returns the loss (a device tensor: reading it would wait for the device) and the
+    ``time.perf_counter()`` at which the host had issued the whole step (NOTE [Issue time]).
+    The caller synchronises the device, then reads the loss.
+    """
+    ctx = (
+        torch.autocast(batch.device.type, dtype=v.autocast)
+        if v.autocast is not None
+        else contextlib.nullcontext()
+    )
+    with ctx:
+        logits = logits_of(v.model(batch[:, :-1]))
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1)
+        )
+    loss.backward()
+    v.opt.step()
+    v.opt.zero_grad(set_to_none=True)
+    return loss.detach(), time.perf_counter()
+
+
+def finish_step(device: torch.device) -> None:
+    """Wait for the device to finish the step just issued (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_batches(
+    batch_size: int, seq_len: int, rank: int, n: int, device: torch.device
+) -> list[torch.Tensor]:
+    """``n`` random token batches, seeded by rank: every variant sees the same ones, in order."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [
+        torch.randint(VOCAB, (batch_size, seq_len + 1), generator=gen).to(device) for _ in range(n)
+    ]
+
+
+class C10dCounter(TorchDispatchMode):
+    """Calls and bytes of every c10d collective dispatched while active (as tests/commcount.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d" and func._opname in C10D_KINDS:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            for a in args:
+                if isinstance(a, (list, tuple)):
+                    tensors += [t for t in a if isinstance(t, torch.Tensor)]
+            if tensors:
+                kind = C10D_KINDS[func._opname]
+                self.calls[kind] += 1
+                self.bytes[kind] += max(t.numel() * t.element_size() for t in tensors)
+        return func(*args, **(kwargs or {}))
