@@ -92,6 +92,22 @@ def _ref_step(ref: nn.Module, data: list[torch.Tensor], world: int) -> None:
             p.grad.div_(world)
 
 
+def _train_against(
+    model: nn.Module, ref: nn.Module, rank: int, world: int, steps: int = 2
+) -> float:
+    """``steps`` AdamW steps of the sharded model and of one process; the largest difference."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = batches(steps, world)
+    for step in range(steps):
+        loss_of(model, data[step][rank]).backward()
+        _ref_step(ref, data[step], world)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
+
+
 def clip_program(rank: int, world: int, impl: str) -> dict:
     """torch's clip_grad_norm_ over sharded gradients: the global norm, every step."""
     ref, model = _setup()
@@ -328,16 +344,7 @@ def reshard_int_program(rank: int, world: int, impl: str) -> dict:
     """reshard_after_forward=2 at 4 ranks: backward gathers within pairs; training is exact."""
     ref, model = _setup()
     shard(model, impl, reshard_after_forward=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    data = batches(2, world)
-    for step in range(2):
-        loss_of(model, data[step][rank]).backward()
-        _ref_step(ref, data[step], world)
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    return {"diff": max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))}
+    return {"diff": _train_against(model, ref, rank, world)}
 
 
 def mixed_precision_program(rank: int, world: int, impl: str) -> dict:
@@ -363,3 +370,14 @@ def mixed_precision_program(rank: int, world: int, impl: str) -> dict:
         "grads": grads,
         "grad_dtype": str(model.head.weight.grad.dtype),
     }
+
+
+def list_program(rank: int, world: int, impl: str) -> dict:
+    """fully_shard([norm, head]): two modules, one unit (FSDP2's grouping)."""
+    ref, model = _setup()
+    fully_shard = fully_shard_of(impl)
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard([model.norm, model.head])
+    fully_shard(model)
+    return {"diff": _train_against(model, ref, rank, world)}

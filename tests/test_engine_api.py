@@ -223,3 +223,47 @@ def test_errors_say_what_and_where_on_every_rank() -> None:
         assert "before its root" in res["child_before_root"]
         assert "already" in res["twice"]
         assert "'steps'" in res["integer"] and "int64" in res["integer"]
+
+
+def _local_steps(rank: int, world: int) -> dict:
+    from fullshard.engine.local_step import LOCAL_STEPS
+
+    class MyAdamW(torch.optim.AdamW):  # not in the elementwise list: steps over DTensors
+        pass
+
+    torch.set_default_dtype(torch.float64)
+    out = {}
+    for name, cls, hook in (("local", torch.optim.AdamW, True), ("dtensor", MyAdamW, True)):
+        torch.manual_seed(0)
+        model = shard_toy(ToyLM())
+        opt = cls(model.parameters(), lr=1e-2)
+        LOCAL_STEPS.enabled = hook
+        for step in range(2):
+            loss_of(model, batches(2, world)[step][rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        states = [s for s in opt.state.values()]
+        out[name] = {
+            "params_are_model_dtensors": all(
+                isinstance(p, DTensor) and any(p is q for q in model.parameters()) for p in params
+            ),
+            "state_keys_are_params": all(any(k is p for p in params) for k in opt.state),
+            "states_dtensor": all(isinstance(s["exp_avg"], DTensor) for s in states),
+            "full": full_params(model),
+        }
+    same = all(torch.equal(out["local"]["full"][k], v) for k, v in out["dtensor"]["full"].items())
+    for v in out.values():
+        del v["full"]
+    return {**out, "same": same}
+
+
+def test_elementwise_optimizers_step_local_shards_and_leave_dtensors_behind() -> None:
+    # NOTE [Local optimizer steps]: AdamW steps over plain local views, a subclass over the
+    # DTensors themselves; both leave DTensor parameters and state behind and agree bitwise
+    for res in run_ranks(_local_steps, 2):
+        assert res["same"], res
+        for name in ("local", "dtensor"):
+            r = res[name]
+            assert r["params_are_model_dtensors"] and r["state_keys_are_params"], (name, r)
+            assert r["states_dtensor"], (name, r)

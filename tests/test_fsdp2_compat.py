@@ -33,6 +33,7 @@ def _report(case: str, res: dict[str, list[dict]]) -> None:
         ("HSDP accumulation", progs.hsdp_accumulation_program, 4),
         ("LoRA mixed dtypes", progs.lora_program, 2),
         ("reshard_after_forward=2", progs.reshard_int_program, 4),
+        ("fully_shard([norm, head])", progs.list_program, 2),
     ],
 )
 def test_fsdp2_program_matches_one_process_under_both_imports(

@@ -24,6 +24,7 @@ from fullshard.engine.collect import (
 from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, signature
 from fullshard.engine.cpu_rng import install_cpu_shard_rng
 from fullshard.engine.hooks import FSDPState
+from fullshard.engine.local_step import LOCAL_STEPS
 from fullshard.engine.param import ShardedParam
 from fullshard.engine.state_dict_hooks import install_state_dict_hooks
 from fullshard.engine.unit import CommUnit
@@ -318,6 +319,7 @@ def fully_shard(
     state = FSDPState(modules, unit, True if unit.post_forward is not None else bool_or_none(raf))
     state.originals = {id(f.param): (f.fqns[0], weakref.ref(f.param)) for f in found}
     OPTIMIZER_GUARD.track([(f.fqns[0], f.param) for f in found])
+    LOCAL_STEPS.install()  # NOTE [Local optimizer steps]
     for i, m in enumerate(modules):
         install_state_dict_hooks(m, unit, owner=i)
     for child in children:

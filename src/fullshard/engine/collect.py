@@ -40,22 +40,30 @@ def collect(
     skip = {id(p) for p in ignored}
     found: dict[int, Found] = {}
     children: list[FSDPState] = []
-    seen: set[tuple[int, str]] = set()
+    seen: dict[tuple[int, str], int] = {}  # (module, attribute) -> the list module it is under
+
+    def shared(name: str, first: int, owner: int) -> FullshardError:
+        return FullshardError(
+            f"parameter '{name}' is shared by modules {first} and {owner} of the list given to "
+            "fully_shard; each parameter must belong to one module of the list. Call "
+            "fully_shard on a common parent instead."
+        )
 
     def visit(mod: nn.Module, prefix: str, owner: int) -> None:
         for name, p in mod._parameters.items():
-            if p is None or (id(mod), name) in seen or id(p) in skip:
+            if p is None or id(p) in skip:
                 continue
-            seen.add((id(mod), name))
+            key = (id(mod), name)
+            if key in seen:  # a submodule reached again (shared inside the unit)
+                if seen[key] != owner:
+                    raise shared(prefix + name, seen[key], owner)
+                continue
+            seen[key] = owner
             entry = found.get(id(p))
             if entry is None:
                 entry = found[id(p)] = Found(p, owner)
             elif entry.owner != owner:
-                raise FullshardError(
-                    f"parameter '{prefix + name}' is shared by modules {entry.owner} and {owner} "
-                    "of the list given to fully_shard; each parameter must belong to one module "
-                    "of the list. Call fully_shard on a common parent instead."
-                )
+                raise shared(prefix + name, entry.owner, owner)
             entry.fqns.append(prefix + name)
             entry.refs.append((mod, name))
         for cname, child in mod._modules.items():

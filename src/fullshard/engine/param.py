@@ -142,17 +142,24 @@ class ShardedParam:
         """
         if isinstance(self.sharded, DTensor) and self.sharded.device == view.device:
             self.sharded._local_tensor = view  # type: ignore[attr-defined]  # as FSDP2 does
-            return
-        with torch.no_grad():
-            dt = DTensor.from_local(
-                view,
-                self.mesh.device_mesh,
-                list(self.mesh.placements),
-                run_check=False,
-                shape=self.shape,
-                stride=contiguous_stride(self.shape),
-            )
-        self.sharded = nn.Parameter(dt, requires_grad=self.requires_grad)
+        else:
+            with torch.no_grad():
+                dt = DTensor.from_local(
+                    view,
+                    self.mesh.device_mesh,
+                    list(self.mesh.placements),
+                    run_check=False,
+                    shape=self.shape,
+                    stride=contiguous_stride(self.shape),
+                )
+            self.sharded = nn.Parameter(dt, requires_grad=self.requires_grad)
+        self._attach_local()
+
+    def _attach_local(self) -> None:
+        """NOTE [Local optimizer steps]: a plain parameter over the same local rows, kept on the
+        DTensor parameter itself (it lives and dies with it)."""
+        local = nn.Parameter(self.local, requires_grad=self.requires_grad)
+        self.sharded._fullshard_local = local  # type: ignore[attr-defined]
 
     def add_grad(self, g: torch.Tensor) -> None:
         """Set (or accumulate into) the sharded ``.grad`` from this rank's local rows ``g``."""
@@ -178,6 +185,8 @@ class ShardedParam:
         if current is None or current is self.sharded or current is self.unsharded:
             return False
         self.sharded = current
+        if isinstance(current, DTensor):
+            self._attach_local()
         for m, n in self.refs:
             m._parameters[n] = current
         return True

@@ -91,6 +91,8 @@ class Prefetcher:
         for target in targets:
             if target.gathered:
                 continue
+            if why.startswith("backward") and not target.unshard_in_backward:
+                continue  # FSDPModule.set_unshard_in_backward(False)
             if self.counts_in_window(target) and self.window() >= self.max_gathered:
                 break
             target.unshard(why)
