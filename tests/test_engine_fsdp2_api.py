@@ -207,3 +207,42 @@ def _full_after_list(rank: int, world: int) -> float:
     fully_shard([model.norm, model.head])
     fully_shard(model)
     return float(sum(v.double().sum() for v in full_params(model).values()))
+
+
+class _MixedLinear(nn.Module):
+    """A float32 weight and a float64 bias, both trained: one unit of two dtypes."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(rows, 4, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() @ self.weight.t()).double().sum(-1, keepdim=True) * self.scale
+
+
+def _mixed(rank: int, world: int, rows: int) -> dict:
+    torch.manual_seed(0)
+    ref = _MixedLinear(rows)
+    model = copy.deepcopy(ref)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float64))
+    unit = model._fullshard_state.unit
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(world)]
+    out = model(xs[rank])
+    same_forward = torch.equal(out, ref(xs[rank]))
+    out.square().sum().backward()
+    for x in xs:
+        (ref(x).square().sum() / world).backward()
+    diffs = [
+        float((p.grad.full_tensor().double() - q.grad.double()).abs().max() / q.grad.abs().max())
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    ]
+    return {"groups": len(unit.groups), "forward": same_forward, "grad_rel": max(diffs)}
+
+
+@pytest.mark.parametrize("rows", [8, 9])  # the float32 group's bytes aligned, and not
+def test_a_unit_of_two_dtypes_gathers_both_exactly_in_one_collective(rows: int) -> None:
+    for r in run_ranks(_mixed, 2, rows):
+        assert r["groups"] == 2 and r["forward"], r
+        assert r["grad_rel"] <= 1e-6, r

@@ -160,7 +160,8 @@ class CommUnit(ReduceGrads):
         for i, dtype in enumerate(dtypes):
             members = [p for p, t in zip(params, originals, strict=True) if t.dtype == dtype]
             compute = self.mp_policy.param_dtype or dtype
-            tail = TAG_LEN if world > 1 and i == 0 else 0  # the tag travels in the first group
+            # the tag ends the last group, so it ends what is sent
+            tail = TAG_LEN if world > 1 and i == len(dtypes) - 1 else 0
             g = ShardGroup(
                 members,
                 dtype,
@@ -285,21 +286,23 @@ class CommUnit(ReduceGrads):
             if pf is not None:
                 assert self.post_forward_shard is not None
                 send, self.post_forward_shard = self.post_forward_shard, None
+                write_dynamic_tag(send[-TAG_LEN:], pos)
                 numel = pf.layout.total_numel
             else:
-                send = self._wire()
+                send = self._wire(pos)
                 numel = send.numel() * self.mesh.world_size
-            # NOTE [Collective positions]: the tag goes into what is sent (a copy when cast)
-            write_dynamic_tag(send[-TAG_LEN:], pos)
             out = torch.empty(numel, dtype=send.dtype, device=send.device)
             pending = comm.all_gather(out, send, pos)  # type: ignore[arg-type]
         self.gather_in_flight = GatherInFlight(pending, out, send, pos, pf is not None)
 
-    def _wire(self) -> torch.Tensor:
-        """This rank's whole unit as one send buffer (NOTE [Mixed-dtype units])."""
-        if len(self.groups) == 1:
-            return self.groups[0].wire()
+    def _wire(self, pos: Position) -> torch.Tensor:
+        """This rank's whole unit as one send buffer (NOTE [Mixed-dtype units]), its position
+        tag at the end (NOTE [Collective positions]: written into what is sent, a copy when
+        cast)."""
         parts = [g.wire() for g in self.groups]
+        write_dynamic_tag(parts[-1][-TAG_LEN:], pos)
+        if len(parts) == 1:
+            return parts[0]
         if len({t.dtype for t in parts}) == 1:
             return torch.cat(parts)
         return torch.cat([t.view(torch.uint8) for t in parts])
@@ -353,7 +356,8 @@ class CommUnit(ReduceGrads):
             return tails
         world = self.mesh.world_size
         rows = flight.out.view(world, -1)
-        tails = torch.empty(world, TAG_LEN, dtype=self.compute_dtype, device=rows.device)
+        tail_dtype = self.groups[-1].compute_dtype  # the last group carries the tag
+        tails = torch.empty(world, TAG_LEN, dtype=tail_dtype, device=rows.device)
         start = 0
         for g in self.groups:
             g.storage.alloc()
