@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, parallelize
-from fullshard.dist.device import accepted_devices
+from fullshard.engine.parallelize import mesh_device_type
 
 __all__ = [
     "MIXED_PRECISION_DTYPES",
@@ -53,10 +53,7 @@ def shard_model(
         raise ValueError(f"model {type(model).__name__} has no submodule of type {types}")
     mesh = None
     if strategy.startswith("hybrid"):
-        if device_type is None:
-            first = next(model.parameters(), None)
-            cuda = first is not None and first.device.type == "cuda"
-            device_type = "cuda" if cuda or "cpu" not in accepted_devices() else "cpu"
+        device_type = device_type or mesh_device_type(model)
         world = dist.get_world_size()
         mesh = init_device_mesh(
             device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")

@@ -73,7 +73,7 @@ class MeshInfo:
         return self.world_size * self.replicate_size
 
 
-def _compute_device(group: dist.ProcessGroup, hint: torch.device | None) -> torch.device:
+def compute_device(group: dist.ProcessGroup, hint: torch.device | None) -> torch.device:
     """Where a unit computes when no mesh says so: the current GPU when the group moves only
     CUDA tensors (NCCL: like FSDP2, the shards move there) or the parameters already live on a
     GPU (gloo sharing GPUs, for tests); else the CPU."""
@@ -105,7 +105,7 @@ def mesh_info(
     if mesh is None:
         group = dist.group.WORLD
         assert group is not None
-        device = _compute_device(group, hint)
+        device = compute_device(group, hint)
         check_device(device, group, where)
         return MeshInfo(group, dist.get_rank(group), dist.get_world_size(group), device)
     if mesh.ndim not in (1, 2):

@@ -247,7 +247,7 @@ def _reshard_arg(value: bool | int | None, info: MeshInfo, unit: str) -> bool | 
     return value
 
 
-def bool_or_none(value: bool | int | None) -> bool | None:
+def _bool_or_none(value: bool | int | None) -> bool | None:
     return None if value is None else bool(value)
 
 
@@ -316,7 +316,7 @@ def fully_shard(
         sp.sharded._fullshard_unit = unit  # type: ignore[attr-defined]
         sp.expose(unsharded=False)
     # an int reshards after forward too, to the smaller group (CommUnit.set_post_forward_group)
-    state = FSDPState(modules, unit, True if unit.post_forward is not None else bool_or_none(raf))
+    state = FSDPState(modules, unit, True if unit.post_forward is not None else _bool_or_none(raf))
     state.originals = {id(f.param): (f.fqns[0], weakref.ref(f.param)) for f in found}
     OPTIMIZER_GUARD.track([(f.fqns[0], f.param) for f in found])
     LOCAL_STEPS.install()  # NOTE [Local optimizer steps]

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.dist.collectives import all_reduce
 from fullshard.dist.mesh import default_timeout
+from fullshard.engine.param import local_of
 
 
 def _groups(
@@ -40,15 +41,10 @@ def _groups(
     return out
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The rank's own tensor of a DTensor (a sharded gradient), or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined,no-any-return]
-
-
 def _local(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """This rank's contribution: max |g| for the inf-norm, else sum of |g|^p (in float64)."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in map(_plain, grads):
+    for g in map(local_of, grads):
         if g.numel() == 0:
             continue  # an empty shard (more ranks than rows) contributes nothing
         if math.isinf(norm_type):
@@ -99,7 +95,7 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in with_grad:
         assert p.grad is not None
-        grad = _plain(p.grad)
+        grad = local_of(p.grad)
         grad.detach().mul_(coef.to(grad.device, grad.dtype))
     return norm.to(
         with_grad[0].grad.dtype if with_grad and with_grad[0].grad is not None else torch.float32

@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 
-from fullshard.engine.param import as_dtensor
+from fullshard.engine.param import as_dtensor, local_of
 
 # Exact classes whose update of an element depends only on that element's own history.
 ELEMENTWISE = (
@@ -72,13 +71,10 @@ class _LocalSteps:
                 if q is None:
                     continue
                 grad = p.grad
-                q.grad = grad._local_tensor if isinstance(grad, DTensor) else grad
+                q.grad = local_of(grad)
                 before = state.pop(p, None) or {}
                 if before:
-                    state[q] = {
-                        k: v._local_tensor if isinstance(v, DTensor) else v
-                        for k, v in before.items()
-                    }
+                    state[q] = {k: local_of(v) for k, v in before.items()}
                 params[i] = q
                 swapped.append((p, q, before))
         if swapped:

@@ -23,20 +23,21 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fullshard.dist.device import accepted_devices
+from fullshard.dist.mesh import compute_device
 from fullshard.engine.api import FSDPModule, fully_shard
 from fullshard.policies import FullshardError, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
 
 
-def _device_type(model: nn.Module | None) -> str:
-    """The device type of a mesh built for ``model``: where its parameters are (a model on a
-    GPU over gloo stays there), or the GPU when the backend moves only CUDA tensors."""
+def mesh_device_type(model: nn.Module | None) -> str:
+    """The device type of a mesh built for ``model``: the device ``fully_shard`` would pick
+    for it without a mesh (``fullshard.dist.mesh.compute_device``)."""
     p = next(model.parameters(), None) if model is not None else None
-    if p is not None and p.device.type == "cuda":
-        return "cuda"
-    return "cpu" if "cpu" in accepted_devices() else "cuda"
+    hint = p.device if p is not None and not p.is_meta else None
+    group = dist.group.WORLD
+    assert group is not None
+    return compute_device(group, hint).type
 
 
 def strategy_mesh(
@@ -48,7 +49,7 @@ def strategy_mesh(
         if mesh is not None and mesh.ndim == 2 and mesh.size(1) == 1:
             return mesh
         return init_device_mesh(
-            _device_type(model), (world, 1), mesh_dim_names=("replicate", "shard")
+            mesh_device_type(model), (world, 1), mesh_dim_names=("replicate", "shard")
         )
     if strategy in _HYBRID:
         if mesh is not None:
@@ -65,7 +66,7 @@ def strategy_mesh(
                 "mesh=init_device_mesh(device, (replicas, shard_size))."
             )
         return init_device_mesh(
-            _device_type(model), (world // shard, shard), mesh_dim_names=("replicate", "shard")
+            mesh_device_type(model), (world // shard, shard), mesh_dim_names=("replicate", "shard")
         )
     if mesh is not None and mesh.ndim != 1:
         raise FullshardError(f"{strategy.name} shards over a 1-D mesh; got {mesh.ndim}-D.")

@@ -42,6 +42,11 @@ except ImportError:  # pragma: no cover - older torch
     _no_grad_dtensor = None  # type: ignore[assignment]
 
 
+def local_of(t: Any) -> Any:
+    """The rank's own tensor of a DTensor (a sharded parameter, gradient or state), else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def as_dtensor(local: torch.Tensor, like: torch.Tensor) -> DTensor:
     """``local`` as a DTensor with ``like``'s mesh, placements and global shape: no copy, no
     communication, no autograd history (a gradient, or a state tensor of a parameter)."""
@@ -170,11 +175,6 @@ class ShardedParam:
             grad._local_tensor += g  # type: ignore[attr-defined]
         else:  # a plain tensor someone assigned: keep its type
             grad += g
-
-    @property
-    def local_grad(self) -> torch.Tensor | None:
-        grad = self.sharded.grad
-        return grad._local_tensor if isinstance(grad, DTensor) else grad  # type: ignore[attr-defined]
 
     def adopt_module_param(self) -> bool:
         """Take over the parameter the module holds now, if ``_apply`` (``to_empty``, ``.to()``)

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from fullshard.engine.param import local_of
 from fullshard.engine.schedule import Point, StepSchedule
 from fullshard.engine.unit import CommUnit
 from fullshard.observe.timeline import root_schedule
@@ -44,8 +44,7 @@ PHASES = ("forward", "backward", "optimizer")
 def _unique_bytes(tensors: Any) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
-        if isinstance(t, DTensor):
-            t = t._local_tensor  # sharded gradients and optimizer state: the rank's own bytes
+        t = local_of(t)  # sharded gradients and optimizer state: the rank's own bytes
         if isinstance(t, torch.Tensor) and t.numel() > 0:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
