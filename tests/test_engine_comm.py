@@ -8,6 +8,7 @@ from commcount import RS, C10dCounter
 from harness import run_ranks
 from toy import ToyLM, batches, loss_of, shard_toy
 
+import fullshard
 from fullshard import FSDPModule
 from fullshard.dist.desync import TAG_BITS, TAG_LEN
 
@@ -74,7 +75,7 @@ def test_shard_grad_op_moves_two_model_sizes() -> None:
 def _window(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = shard_toy(ToyLM(n_blocks=5), reshard_root=None)
-    blocks = [b._fullshard_state.unit for b in model.blocks]  # type: ignore[union-attr]
+    blocks = [fullshard.units(b)[0].unit for b in model.blocks]
     seen = {"forward": [], "backward": []}
 
     def gathered() -> int:
@@ -94,7 +95,7 @@ def _window(rank: int, world: int) -> dict:
             [u.gathered or u.storage.flat.untyped_storage().size() > 0 for u in blocks]
         )
         loss.backward()
-    after_backward = [u.gathered for u in blocks] + [model._fullshard_state.unit.gathered]
+    after_backward = [u.gathered for u in blocks] + [fullshard.units(model)[0].unit.gathered]
     return {
         "forward_max": max(seen["forward"]),
         "backward_max": max(seen["backward"]),

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from toy import ToyLM, batches, full_params, loss_of
 
+import fullshard
 from fullshard import FullshardError, MixedPrecisionPolicy, fully_shard
 
 
@@ -101,7 +102,7 @@ def _reshard_to_pairs(rank: int, world: int) -> dict:
     data = batches(1, world)[0]
     loss_of(model, data[rank]).backward()
     coll._all_gather_single = original
-    unit = model.blocks[0]._fullshard_state.unit
+    unit = fullshard.units(model.blocks[0])[0].unit
     return {
         "diff": _grad_diff(model, _ref_grads(ref, data, world)),
         "group_sizes": [n for _, n in sizes],
@@ -150,7 +151,7 @@ def _unsynced(rank: int, world: int) -> dict:
     data = batches(2, world)
     model.set_requires_gradient_sync(False)
     loss_of(model, data[0][rank]).backward()
-    unit = model.blocks[0]._fullshard_state.unit
+    unit = fullshard.units(model.blocks[0])[0].unit
     kept = {str(t.dtype) for t in unit.accumulated.values()}
     model.set_requires_gradient_sync(True)
     loss_of(model, data[1][rank]).backward()
@@ -226,7 +227,7 @@ def _mixed(rank: int, world: int, rows: int) -> dict:
     ref = _MixedLinear(rows)
     model = copy.deepcopy(ref)
     fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float64))
-    unit = model._fullshard_state.unit
+    unit = fullshard.units(model)[0].unit
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(world)]
     out = model(xs[rank])

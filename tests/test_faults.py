@@ -12,6 +12,7 @@ from harness import RanksFailed, run_ranks
 from torch import nn
 from toy import Block, ToyLM, batches, loss_of, shard_toy
 
+import fullshard
 from fullshard import FullshardError, fully_shard
 
 
@@ -398,7 +399,6 @@ class _TwinLM(nn.Module):
 
 
 def _deferred(rank: int, world: int) -> dict:
-    from fullshard.observe.timeline import root_schedule
 
     torch.manual_seed(0)
     model = _TwinLM()
@@ -408,7 +408,7 @@ def _deferred(rank: int, world: int) -> dict:
     data = batches(3, world)
     loss_of(model, data[0][rank]).backward()
     # what a GPU does (NOTE [Reading the verdict]): keep the checks, read them at the next step
-    root_schedule(model).verdict.defer_cpu = True
+    fullshard.step_schedule(model).verdict.defer_cpu = True
     model.swap = True
     during = _catch(lambda: loss_of(model, data[1][rank]).backward())
     model.swap = False
@@ -427,16 +427,13 @@ def test_deferred_checks_report_a_desync_at_the_next_step_on_every_rank() -> Non
 def _unit_codes(rank: int, world: int) -> dict:
     from fullshard.app.models import build_model, unit_types_of
     from fullshard.app.wrap import shard_model
-    from fullshard.observe.timeline import root_schedule
 
     model = build_model("gpt2-124m", 256, seed=0, device="meta")
     shard_model(model, "full_shard", unit_types_of(model))
     model.to_empty(device="cpu")  # uninitialised memory is enough to number the units
-    from fullshard.engine.hooks import FSDPState
-
-    state: FSDPState = model._fullshard_state  # type: ignore[assignment]
-    state.lazy_init()  # what the first forward does: the root numbers its units
-    names = root_schedule(model).stats.names
+    # the root numbers its units on its first forward: one token is enough
+    model(torch.zeros(1, 1, dtype=torch.long))
+    names = fullshard.step_schedule(model).stats.names
     return {"codes": sorted(names), "names": sorted(names.values())}
 
 

@@ -12,9 +12,10 @@ from harness import run_ranks
 from torch.distributed.tensor import DTensor
 from toy import ToyLM, batches, loss_of, shard_toy
 
+from fullshard import step_schedule
 from fullshard.observe.memory import CATEGORIES, MemoryTracker
 from fullshard.observe.plot import draw_timeline
-from fullshard.observe.timeline import Recorder, chrome_trace, exposed_seconds, root_schedule
+from fullshard.observe.timeline import Recorder, chrome_trace, exposed_seconds
 
 
 def _record(rank: int, world: int) -> dict:
@@ -36,11 +37,11 @@ def _record(rank: int, world: int) -> dict:
     rec.detach()
     mem.detach()
     step(2)  # detached: nothing more is recorded
-    units = [u.name for u in root_schedule(model).units]
+    units = [u.name for u in step_schedule(model).units]
     events = rec.events
     by = lambda cat, name: [e for e in events if e.cat == cat and e.name == name]  # noqa: E731
     shards = sum(
-        u.shard_flat.numel() * u.shard_flat.element_size() for u in root_schedule(model).units
+        u.shard_flat.numel() * u.shard_flat.element_size() for u in step_schedule(model).units
     )
     local = [
         t.to_local() if isinstance(t, DTensor) else t

@@ -12,6 +12,7 @@ from harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from toy import Block, ToyLM, batches, full_params, loss_of
 
+import fullshard
 from fullshard import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -203,9 +204,7 @@ def _saved_activation_bytes(rank: int, world: int) -> dict:
             activation_checkpointing=ac,
         )
         params = {
-            m._fullshard_state.unit.storage.flat.untyped_storage()._cdata
-            for m in model.modules()
-            if hasattr(m, "_fullshard_state")
+            view.unit.storage.flat.untyped_storage()._cdata for view in fullshard.units(model)
         }
         seen: dict[int, int] = {}
 

@@ -11,7 +11,16 @@ from fullshard.engine.api import (
     register_fsdp_forward_method,
 )
 from fullshard.engine.gradients import ShardedGradScaler, clip_grad_norm_
-from fullshard.engine.parallelize import parallelize
+from fullshard.engine.parallelize import apply_plan, parallelize
+from fullshard.engine.schedule import Point
+from fullshard.engine.sharding import (
+    ShardingPlan,
+    UnitView,
+    plan_sharding,
+    step_schedule,
+    subscribe,
+    units,
+)
 from fullshard.policies import (
     CPUOffloadPolicy,
     FullshardError,
@@ -26,15 +35,23 @@ __all__ = [
     "FullshardError",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "Point",
+    "ShardingPlan",
     "ShardedGradScaler",
     "ShardingStrategy",
+    "UnitView",
     "UnshardHandle",
+    "apply_plan",
     "broadcast_from_rank0",
     "clip_grad_norm_",
     "fully_shard",
     "get_state_dict",
     "set_state_dict",
     "parallelize",
+    "plan_sharding",
     "register_fsdp_forward_method",
+    "step_schedule",
+    "subscribe",
+    "units",
 ]
 __version__ = "0.1.0"

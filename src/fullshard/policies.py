@@ -59,3 +59,31 @@ class ShardingStrategy(enum.Enum):
     HYBRID_SHARD = "hybrid_shard"
     # 2-D mesh: shard inside a group, replicate across groups (SHARD_GRAD_OP inside).
     HYBRID_SHARD_ZERO2 = "hybrid_shard_zero2"
+
+    @property
+    def hybrid(self) -> bool:
+        """Shards inside groups of ranks and replicates across them (a 2-D mesh)."""
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Non-root units free their gathered parameters after forward (ZeRO-3) or keep them
+        for backward (ZeRO-2; replication keeps everything anyway)."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+# The strategy names every command accepts (``--strategy``), in the enum's order.
+STRATEGY_NAMES = tuple(s.value for s in ShardingStrategy)
+
+# Where a training step's memory goes: the one vocabulary of the memory tracker
+# (``fullshard.observe.memory``), the planner (``fullshard.plan``) and their reports.
+MEMORY_CATEGORIES = (
+    "sharded_params",  # this rank's shards of every parameter (the fp32 master weights)
+    "gradients",  # sharded gradients, plus unsharded ones until they are reduced
+    "optimizer_state",  # the optimizer's per-parameter state (Adam: exp_avg, exp_avg_sq)
+    "gathered_window",  # gathered (unsharded) parameters of the units in the window
+    "activations",  # tensors autograd saved for backward
+    "comm_buffers",  # all-gather outputs and reduce-scatter inputs/outputs in flight
+)
+# The passes a step's peaks are reported for, in order.
+STEP_PHASES = ("forward", "backward", "optimizer")

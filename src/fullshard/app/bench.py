@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard import step_schedule
 from fullshard.app.bench_variants import (
     FULLSHARD_VARIANTS,
     MIXED_PRECISION,
@@ -171,12 +172,12 @@ def _setup_rank(args: argparse.Namespace) -> tuple[int, int, torch.device]:
 def _model_facts(model_name: str) -> dict[str, Any]:
     """Parameter count and the share of it in the root unit (gathered once per step, not twice)."""
     from fullshard.app.models import build_model, count_params, unit_types_of
+    from fullshard.engine.sharding import plan_sharding
 
     model = build_model(model_name, 256, seed=0, device="meta")
-    units = unit_types_of(model)
-    in_units = {id(p) for m in model.modules() if isinstance(m, units) for p in m.parameters()}
+    plan = plan_sharding(model, "full_shard", unit_types_of(model), world_size=1)
     n = count_params(model)
-    root = sum(p.numel() for p in model.parameters() if id(p) not in in_units)
+    root = plan.units[0].numel
     return {"params": n, "model_bytes": 4 * n, "root_fraction": root / n}
 
 
@@ -197,7 +198,7 @@ def _timed_step(v: Variant, batch: torch.Tensor, device: torch.device) -> tuple[
 
 def _time_all(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:
     """The timing launch: round-robin timed steps, then counted and observed steps."""
-    from fullshard.observe.timeline import Recorder, exposed_seconds, root_schedule
+    from fullshard.observe.timeline import Recorder, exposed_seconds
 
     variants = _build_all(args, rank, world, device)
     names = [v.name for v in variants]
@@ -210,7 +211,7 @@ def _time_all(args: argparse.Namespace, rank: int, world: int, device: torch.dev
                 _timed_step(v, batches[r], device)
     for v in variants:
         if v.name in FULLSHARD_VARIANTS:
-            root_schedule(v.model).stats.reset()
+            step_schedule(v.model).stats.reset()
     times: dict[str, list[float]] = {n: [] for n in names}
     issue: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
@@ -235,7 +236,7 @@ def _time_all(args: argparse.Namespace, rank: int, world: int, device: torch.dev
             "losses": losses[v.name],
         }
         if v.name in FULLSHARD_VARIANTS:
-            stats = root_schedule(v.model).stats
+            stats = step_schedule(v.model).stats
             entry["commstats_bytes"] = {kk: b / args.rounds for kk, b in stats.bytes.items()}
         control.host_barrier(what="bench count barrier")
         if v.active and v.name != "single":

@@ -117,6 +117,7 @@ def _fsdp2(model: nn.Module, world: int, device: torch.device, bf16: bool) -> No
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fullshard.app.models import unit_types_of
+    from fullshard.engine.sharding import plan_sharding
 
     kwargs: dict[str, Any] = {}
     if bf16:
@@ -127,8 +128,8 @@ def _fsdp2(model: nn.Module, world: int, device: torch.device, bf16: bool) -> No
         # FSDP2's default mesh follows the accelerator; say so explicitly for ranks that share a
         # GPU over gloo, whose world group is not a CUDA (NCCL) one.
         kwargs["mesh"] = init_device_mesh("cuda", (world,))
-    units = unit_types_of(model)
-    for m in [m for m in model.modules() if m is not model and isinstance(m, units)]:
+    plan = plan_sharding(model, "full_shard", unit_types_of(model), world)
+    for m in plan.unit_modules(model):  # the units fullshard would make, the same order
         fully_shard(m, **kwargs)
     fully_shard(model, **kwargs)
 
@@ -150,14 +151,7 @@ def build_variant(
     if name in FULLSHARD_VARIANTS:
         from fullshard.app.wrap import shard_model
 
-        shard_model(
-            model,
-            name,
-            unit_types_of(model),
-            shard_size=world // 2,
-            mixed_precision=mixed_precision,
-            device_type=device.type,
-        )
+        shard_model(model, name, unit_types_of(model), mixed_precision=mixed_precision)
     elif name == "fsdp2":
         _fsdp2(model, world, device, bf16)
     elif name in ("ddp", "single"):

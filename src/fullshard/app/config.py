@@ -18,13 +18,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from fullshard.policies import STRATEGY_NAMES, FullshardError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = [
-    "STRATEGIES",
     "ConfigError",
     "TrainConfig",
     "add_train_arguments",
@@ -35,8 +36,6 @@ __all__ = [
     "validate",
 ]
 
-# Every sharding strategy of the engine (names as in FSDP1's ShardingStrategy).
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 MIXED_PRECISION = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")  # fullshard.app.launch.BACKENDS; here to keep config light
@@ -113,7 +112,7 @@ class TrainConfig:
         "them until backward), no_shard (replicate, all-reduce), hybrid_shard / "
         "hybrid_shard_zero2 (shard inside groups of --shard-size ranks, replicate across them)",
         group="sharding",
-        choices=STRATEGIES,
+        choices=STRATEGY_NAMES,
     )
     shard_size: int = _opt(
         0,
@@ -342,13 +341,11 @@ def to_toml(cfg: TrainConfig) -> str:
 
 
 def hybrid_shard_size(cfg: TrainConfig, world_size: int) -> int:
-    """Ranks per shard group for the hybrid strategies (``--shard-size``, or a default)."""
-    if cfg.shard_size > 0:
-        return cfg.shard_size
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if local < world_size:
-        return local  # several nodes: shard inside a node, replicate across nodes
-    return world_size // 2 if world_size % 2 == 0 else world_size
+    """Ranks per shard group for the hybrid strategies (``--shard-size``, or the engine's
+    default, :func:`fullshard.engine.sharding.hybrid_shard_size`)."""
+    from fullshard.engine.sharding import hybrid_shard_size as default
+
+    return default(world_size, cfg.shard_size)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -416,13 +413,10 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"of sequences per micro-batch. Use e.g. --batch-size {lower} or {lower + per_step}."
         )
     if cfg.strategy.startswith("hybrid"):
-        shard = hybrid_shard_size(cfg, world_size)
-        if shard < 1 or shard >= world_size or world_size % shard:
-            raise ConfigError(
-                f"--strategy {cfg.strategy} on {world_size} ranks needs a shard group size that "
-                f"divides the world size and is smaller than it (got {shard}); set --shard-size, "
-                "e.g. --shard-size 2 with 4 ranks"
-            )
+        try:
+            hybrid_shard_size(cfg, world_size)
+        except FullshardError as exc:
+            raise ConfigError(f"--strategy {cfg.strategy}: {exc}") from None
     if cfg.resume is not None and cfg.resume != "latest" and not Path(cfg.resume).exists():
         raise ConfigError(f"--resume {cfg.resume!r}: no such checkpoint (or use 'latest')")
     if kind == "gpt" and cfg.seq_len > MODEL_SIZES[name].max_seq_len:

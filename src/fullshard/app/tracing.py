@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fullshard.app.config import STRATEGIES
+from fullshard import step_schedule
 from fullshard.app.launch import add_device_arguments, rank_session
 from fullshard.app.models import build_model, count_params, unit_types_of
 from fullshard.app.wrap import shard_model
@@ -36,8 +36,8 @@ from fullshard.observe.timeline import (
     chrome_trace,
     exposed_seconds,
     gather_events,
-    root_schedule,
 )
+from fullshard.policies import STRATEGY_NAMES
 
 __all__ = ["add_trace_arguments", "run_trace"]
 
@@ -45,7 +45,9 @@ __all__ = ["add_trace_arguments", "run_trace"]
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fullshard trace`` (every one documented in ``--help``)."""
     p.add_argument("--model", default="small", help="built-in model size (default: small, ~10M)")
-    p.add_argument("--strategy", default="full_shard", choices=STRATEGIES, help="sharding strategy")
+    p.add_argument(
+        "--strategy", default="full_shard", choices=STRATEGY_NAMES, help="sharding strategy"
+    )
     p.add_argument(
         "--shard-size", type=int, default=0, help="hybrid strategies: ranks per shard group"
     )
@@ -82,8 +84,7 @@ def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device
         torch.set_num_threads(args.threads)
     model = build_model(args.model, 256, seed=0, device=device)
     n_params = count_params(model)
-    shard = args.shard_size or max(1, world // 2)
-    shard_model(model, args.strategy, unit_types_of(model), shard_size=shard)
+    shard_model(model, args.strategy, unit_types_of(model), shard_size=args.shard_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     batches = [
@@ -94,7 +95,7 @@ def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device
         _step(model, opt, batches[i])
     recorder = Recorder().attach(model, opt)
     memory = MemoryTracker().attach(model, opt)
-    stats = root_schedule(model).stats
+    stats = step_schedule(model).stats
     stats.reset()
     control.host_barrier(what="trace start barrier")  # every rank's clock starts together
     origin = time.perf_counter()

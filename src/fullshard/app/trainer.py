@@ -23,7 +23,7 @@ from torch import nn
 
 from fullshard import ShardedGradScaler
 from fullshard.app.checkpointing import TrainCheckpoints
-from fullshard.app.config import ConfigError, TrainConfig, hybrid_shard_size, to_toml, validate
+from fullshard.app.config import ConfigError, TrainConfig, to_toml, validate
 from fullshard.app.data import (
     RankBatches,
     build_tokenizer,
@@ -167,7 +167,7 @@ def _train(
         cfg.strategy,
         unit_types_of(model),
         mixed_precision=cfg.mixed_precision,
-        shard_size=hybrid_shard_size(cfg, world),
+        shard_size=cfg.shard_size,
         activation_checkpointing=cfg.activation_checkpointing,
     )
     opt = torch.optim.AdamW(

@@ -1,8 +1,7 @@
-"""The one place the application touches the sharding API: wrap, sync control, clipping.
+"""How the application shards a built model: from a strategy name to a sharding plan, applied.
 
-Everything the trainer needs from ``fullshard`` goes through these functions, so the whole
-application can be pointed at another FSDP implementation (e.g. torch's FSDP2 for a comparison)
-by editing this file alone.
+The trainer, trace, bench and ``plan --check`` shard through :func:`shard_model`, so they all read
+one :class:`~fullshard.engine.sharding.ShardingPlan` (the same units, the same hybrid default).
 """
 
 from __future__ import annotations
@@ -12,10 +11,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-from fullshard import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, parallelize
-from fullshard.engine.parallelize import mesh_device_type
+from fullshard import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_
+from fullshard.engine.parallelize import apply_plan
+from fullshard.engine.sharding import ShardingPlan, plan_sharding
 
 __all__ = [
     "MIXED_PRECISION_DTYPES",
@@ -35,14 +34,12 @@ def shard_model(
     mixed_precision: str = "none",
     shard_size: int = 0,
     activation_checkpointing: bool = False,
-    device_type: str | None = None,
-) -> nn.Module:
+) -> ShardingPlan:
     """Shard ``model``: every submodule of a type in ``unit_types`` becomes one unit, then the root.
 
     ``strategy`` is a ``ShardingStrategy`` name; the hybrid ones shard inside groups of
-    ``shard_size`` ranks and replicate across the groups (a 2-D mesh). The root keeps its
-    default ``reshard_after_forward`` (backward needs it again at once). ``device_type``: where
-    the units compute (default: where the model's parameters are).
+    ``shard_size`` ranks (0: :func:`~fullshard.engine.sharding.hybrid_shard_size`) and replicate
+    across the groups. Returns the plan that was applied.
     """
     dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     # Gradients are reduced in float32 even when computing in bf16/fp16: summing N ranks' low
@@ -51,23 +48,11 @@ def shard_model(
     types = tuple(unit_types)
     if not any(isinstance(m, types) and m is not model for m in model.modules()):
         raise ValueError(f"model {type(model).__name__} has no submodule of type {types}")
-    mesh = None
-    if strategy.startswith("hybrid"):
-        device_type = device_type or mesh_device_type(model)
-        world = dist.get_world_size()
-        mesh = init_device_mesh(
-            device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
-        )
-    # otherwise the engine puts the units where the model is (a GPU shared over gloo
-    # included), or on the GPU when the backend moves only CUDA tensors
-    return parallelize(
-        model,
-        strategy=strategy,
-        unit_types=types,
-        mp_policy=mp,
-        activation_checkpointing=activation_checkpointing,
-        mesh=mesh,
-    )
+    plan = plan_sharding(model, strategy, types, dist.get_world_size(), shard_size=shard_size)
+    # the engine puts the units where the model is (a GPU shared over gloo included), or on
+    # the GPU when the backend moves only CUDA tensors
+    apply_plan(model, plan, mp_policy=mp, activation_checkpointing=activation_checkpointing)
+    return plan
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fullshard.dist.collectives import all_gather
-from fullshard.engine.api import FSDPModule
+from fullshard.engine.sharding import units
 from fullshard.engine.shards import ShardGroup
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError
@@ -56,17 +56,15 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     rank = dist.get_rank()
     keep = rank == 0 or not rank0_only
     out: dict[str, torch.Tensor] = {}
-    for prefix, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        unit = module._fullshard_state.unit
+    for view in units(model):
+        unit = view.unit
         for group in unit.groups:  # one unless the unit mixes dtypes
             flat = _gather_group(unit, group)
             if keep:
                 for i, p in enumerate(group.params):
                     full = group.layout.gathered_view(flat, i).detach().to("cpu", copy=True)
-                    for fqn in p.fqns:
-                        out[f"{prefix}.{fqn}" if prefix else fqn] = full
+                    for fqn in view.names_of(p):
+                        out[fqn] = full
             del flat
     if keep:
         managed = set(out)

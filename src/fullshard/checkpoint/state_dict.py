@@ -24,8 +24,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.dist.control import broadcast_tensor
-from fullshard.engine.api import FSDPModule
 from fullshard.engine.param import ShardedParam, as_dtensor
+from fullshard.engine.sharding import units
 from fullshard.engine.state_dict_hooks import to_local_shard
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError
@@ -47,12 +47,9 @@ def _param_index(model: nn.Module) -> dict[int, tuple[str, CommUnit | None, int]
     gathered; a tied parameter is named by its first name, like torch does.
     """
     out: dict[int, tuple[str, CommUnit | None, int]] = {}
-    for prefix, m in model.named_modules():
-        if isinstance(m, FSDPModule):
-            unit = m._fullshard_state.unit
-            for i, sp in enumerate(unit.params):
-                fqn = f"{prefix}.{sp.fqns[0]}" if prefix else sp.fqns[0]
-                out[id(sp.sharded)] = (fqn, unit, i)
+    for view in units(model):
+        for i, (sp, fqn) in enumerate(zip(view.unit.params, view.param_names, strict=True)):
+            out[id(sp.sharded)] = (fqn, view.unit, i)
     for fqn, param in model.named_parameters():  # parameters no unit manages
         out.setdefault(id(param), (fqn, None, -1))
     return out
@@ -210,14 +207,13 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, Any] | Non
     """
     rank = dist.get_rank()
     managed: set[str] = set()
-    for prefix, m in model.named_modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        unit = m._fullshard_state.unit
+    for view in units(model):
+        unit = view.unit
         unit.refresh_shards()  # adopt tensors that to_empty() replaced
         for sp in unit.params:
-            key = f"{prefix}.{sp.fqns[0]}" if prefix else sp.fqns[0]
-            managed.update(f"{prefix}.{f}" if prefix else f for f in sp.fqns)
+            names = view.names_of(sp)
+            key = names[0]
+            managed.update(names)
             if rank == 0:
                 if full_state_dict is None or key not in full_state_dict:
                     raise FullshardError(

@@ -14,7 +14,6 @@ Every strategy is one ``fully_shard`` configuration:
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -25,9 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fullshard.dist.mesh import compute_device
 from fullshard.engine.api import FSDPModule, fully_shard
+from fullshard.engine.sharding import ShardingPlan, as_strategy, plan_sharding
 from fullshard.policies import FullshardError, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
-
-_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
 
 
 def mesh_device_type(model: nn.Module | None) -> str:
@@ -40,42 +38,34 @@ def mesh_device_type(model: nn.Module | None) -> str:
     return compute_device(group, hint).type
 
 
-def strategy_mesh(
-    strategy: ShardingStrategy, mesh: DeviceMesh | None = None, model: nn.Module | None = None
+def plan_mesh(
+    plan: ShardingPlan, mesh: DeviceMesh | None = None, model: nn.Module | None = None
 ) -> DeviceMesh | None:
-    """The mesh ``strategy`` shards over (``None`` = the default group, 1-D)."""
-    world = dist.get_world_size()
-    if strategy is ShardingStrategy.NO_SHARD:
-        if mesh is not None and mesh.ndim == 2 and mesh.size(1) == 1:
-            return mesh
-        return init_device_mesh(
-            mesh_device_type(model), (world, 1), mesh_dim_names=("replicate", "shard")
-        )
-    if strategy in _HYBRID:
-        if mesh is not None:
-            if mesh.ndim != 2:
-                raise FullshardError(
-                    f"{strategy.name} needs a 2-D mesh (replicate, shard); got {mesh.ndim}-D."
-                )
-            return mesh
-        shard = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if shard >= world or world % shard:
+    """The mesh ``plan`` shards over (``None`` = the default group, 1-D). A given ``mesh`` must
+    have the plan's shape."""
+    shape = plan.mesh_shape
+    if mesh is not None:
+        if tuple(mesh.shape) != shape:
+            kind = "(replicate, shard)" if len(shape) == 2 else "(shard,)"
             raise FullshardError(
-                f"{strategy.name} on {world} ranks needs a shard group size that divides the "
-                f"world and is smaller than it (LOCAL_WORLD_SIZE={shard}); pass "
-                "mesh=init_device_mesh(device, (replicas, shard_size))."
+                f"{plan.strategy.name} on {plan.world_size} ranks shards over a {len(shape)}-D "
+                f"mesh {kind} of shape {shape}; got a mesh of shape {tuple(mesh.shape)}."
             )
-        return init_device_mesh(
-            mesh_device_type(model), (world // shard, shard), mesh_dim_names=("replicate", "shard")
+        return mesh
+    if len(shape) == 1:
+        return None
+    return init_device_mesh(mesh_device_type(model), shape, mesh_dim_names=("replicate", "shard"))
+
+
+def _mesh_shard_size(strategy: ShardingStrategy, mesh: DeviceMesh | None) -> int:
+    # a hybrid mesh given by the caller decides the shard group size
+    if mesh is None or not strategy.hybrid:
+        return 0
+    if mesh.ndim != 2:
+        raise FullshardError(
+            f"{strategy.name} needs a 2-D mesh (replicate, shard); got {mesh.ndim}-D."
         )
-    if mesh is not None and mesh.ndim != 1:
-        raise FullshardError(f"{strategy.name} shards over a 1-D mesh; got {mesh.ndim}-D.")
-    return mesh
-
-
-def reshards_after_forward(strategy: ShardingStrategy) -> bool:
-    """FULL_SHARD and HYBRID_SHARD free after forward; the others keep parameters for backward."""
-    return strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    return mesh.size(1)
 
 
 def _checkpoint_forward(module: nn.Module) -> None:
@@ -108,32 +98,45 @@ def parallelize(
         mp_policy: mixed precision for every unit.
         activation_checkpointing: recompute each unit's activations in backward.
         mesh: 1-D mesh for FULL_SHARD/SHARD_GRAD_OP; 2-D (replicate, shard) for hybrid. Built
-            for you when omitted (hybrid: shard groups of ``LOCAL_WORLD_SIZE`` ranks).
+            for you when omitted (hybrid: ``fullshard.engine.sharding.hybrid_shard_size``).
         offload_policy: ``CPUOffloadPolicy()`` to keep shards and the optimizer step on CPU.
     """
-    if isinstance(strategy, str):
-        try:
-            strategy = ShardingStrategy(strategy.lower())
-        except ValueError:
-            names = ", ".join(s.value for s in ShardingStrategy)
-            raise FullshardError(
-                f"unknown sharding strategy '{strategy}'; one of: {names}"
-            ) from None
-    shard_mesh = strategy_mesh(strategy, mesh, model)
-    raf = reshards_after_forward(strategy)
+    strategy = as_strategy(strategy)
+    plan = plan_sharding(
+        model,
+        strategy,
+        list(unit_types),
+        dist.get_world_size(),
+        shard_size=_mesh_shard_size(strategy, mesh),
+    )
+    return apply_plan(
+        model,
+        plan,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        activation_checkpointing=activation_checkpointing,
+        offload_policy=offload_policy,
+    )
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: ShardingPlan,
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    activation_checkpointing: bool = False,
+    offload_policy: OffloadPolicy | None = None,
+) -> nn.Module:
+    """``fully_shard`` every unit of ``plan`` (innermost first), then the root; returns ``model``."""
+    shard_mesh = plan_mesh(plan, mesh, model)
     kwargs: dict[str, Any] = {"mesh": shard_mesh, "offload_policy": offload_policy}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    targets = [
-        m
-        for m in model.modules()
-        if m is not model and isinstance(m, tuple(unit_types)) and not isinstance(m, FSDPModule)
-    ]
+    targets = [m for m in plan.unit_modules(model) if not isinstance(m, FSDPModule)]
     for module in reversed(targets):  # innermost first: fully_shard wants children done first
         if activation_checkpointing:
             _checkpoint_forward(module)
-        fully_shard(module, reshard_after_forward=raf, **kwargs)
-    # The root keeps its parameters after forward (backward needs them first) unless it is
-    # the only unit, where FULL_SHARD's memory promise needs it freed.
-    fully_shard(model, reshard_after_forward=None if targets else raf, **kwargs)
+        fully_shard(module, reshard_after_forward=plan.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=plan.root_reshard_after_forward, **kwargs)
     return model

@@ -27,8 +27,8 @@ from torch import nn
 
 from fullshard.engine.param import local_of
 from fullshard.engine.schedule import Point, StepSchedule
+from fullshard.engine.sharding import step_schedule, subscribe
 from fullshard.engine.unit import CommUnit
-from fullshard.observe.timeline import root_schedule
 
 CATEGORIES = (
     "sharded_params",
@@ -140,10 +140,10 @@ class MemoryTracker:
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> MemoryTracker:
         """Start tracking ``model`` (a sharded root, after its first forward) and its optimizer."""
-        schedule = root_schedule(model)
+        schedule = step_schedule(model)
         self._schedule = schedule
         self._optimizer = optimizer
-        schedule.listeners.append(self._on_point)
+        self._handles = [subscribe(model, self._on_point)]
         for g in (g for u in schedule.units for g in u.groups):
             # parameters are not activations: they live in these storages
             self._param_storages.add(g.storage.flat.untyped_storage().data_ptr())
@@ -163,7 +163,7 @@ class MemoryTracker:
                 self._saved_ctx.__exit__(None, None, None)
                 self._saved_ctx = None
 
-        self._handles = [
+        self._handles += [
             model.register_forward_pre_hook(enter),
             model.register_forward_hook(leave, always_call=True),
         ]
@@ -179,9 +179,7 @@ class MemoryTracker:
         return self
 
     def detach(self) -> None:
-        if self._schedule is not None:
-            self._schedule.listeners.remove(self._on_point)
-            self._schedule = None
+        self._schedule = None
         for h in self._handles:
             h.remove()
         self._handles = []

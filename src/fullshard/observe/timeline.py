@@ -25,10 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.dist.control import all_gather_objects
-from fullshard.engine.api import FSDPModule
 from fullshard.engine.schedule import Point, StepSchedule
+from fullshard.engine.sharding import step_schedule, subscribe
 from fullshard.engine.unit import CommUnit
-from fullshard.policies import FullshardError
 
 LANES = ("compute", "gather", "reduce", "exposed", "free")
 
@@ -44,16 +43,6 @@ class Event:
     end: float
     nbytes: int = 0
     rank: int = 0
-
-
-def root_schedule(model: nn.Module) -> StepSchedule:
-    """The step schedule of a sharded root (it exists after the root's first forward)."""
-    if not isinstance(model, FSDPModule) or model._fullshard_state.schedule is None:
-        raise FullshardError(
-            "observe a model after fully_shard and after its first forward (the root sets up "
-            "its units lazily, on that forward)."
-        )
-    return model._fullshard_state.schedule
 
 
 class Recorder:
@@ -90,9 +79,9 @@ class Recorder:
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Recorder:
         """Start recording ``model`` (a sharded root) and, if given, ``optimizer.step``."""
-        schedule = root_schedule(model)
+        schedule = step_schedule(model)
         self._schedule = schedule
-        schedule.listeners.append(self._on_point)
+        self._hooks = [subscribe(model, self._on_point)]
         schedule.stats.timeline = self
         if optimizer is not None:
             box: dict[str, float] = {}
@@ -103,7 +92,7 @@ class Recorder:
             def post(*_: Any) -> None:
                 self.record("optimizer step", "compute", "optimizer", box["t"], time.perf_counter())
 
-            self._hooks = [
+            self._hooks += [
                 optimizer.register_step_pre_hook(pre),
                 optimizer.register_step_post_hook(post),
             ]
@@ -111,7 +100,6 @@ class Recorder:
 
     def detach(self) -> None:
         if self._schedule is not None:
-            self._schedule.listeners.remove(self._on_point)
             self._schedule.stats.timeline = None
             self._schedule = None
         for h in self._hooks:
