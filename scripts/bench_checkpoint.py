@@ -22,10 +22,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from fullshard import get_state_dict, set_state_dict
-from fullshard.app.models import build_model, count_params, unit_types_of
+from fullshard.app.models import build_model, count_params, lm_loss, unit_types_of
 from fullshard.app.wrap import shard_model
 from fullshard.checkpoint import CheckpointManager
 
@@ -44,7 +43,7 @@ def _worker(rank: int, world: int, tmp: str, args: argparse.Namespace) -> None:
     shard_model(model, "full_shard", unit_types_of(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(256, (2, 65))
-    F.cross_entropy(model(x[:, :-1]).reshape(-1, 256), x[:, 1:].reshape(-1)).backward()
+    lm_loss(model, x).backward()
     opt.step()
     times: dict[str, list[float]] = {
         "save_s": [],

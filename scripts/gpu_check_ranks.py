@@ -43,6 +43,7 @@ from fullshard import (
     parallelize,
     set_state_dict,
 )
+from fullshard.app.models import lm_loss
 from fullshard.checkpoint import CheckpointManager
 from fullshard.dist import control
 
@@ -85,11 +86,6 @@ def check_names(world: int) -> list[str]:
     return [*(f"parity.{s}" for s in strategies_for(world)), "bf16", "offload", "checkpoint"]
 
 
-def _loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    logits = model(idx[:, :-1]).float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
-
-
 def _data(world: int, steps: int, device: torch.device) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [
@@ -125,13 +121,13 @@ def _train(
     data = _data(world, steps, device)
     losses = []
     for step in range(steps):
-        loss = _loss(model, data[step][rank])
+        loss = lm_loss(model, data[step][rank])
         loss.backward()
         clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         for r in range(world):
-            _loss(ref, data[step][r]).backward()
+            lm_loss(ref, data[step][r]).backward()
         for p in ref.parameters():
             p.grad.div_(world)  # type: ignore[union-attr]
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
@@ -179,7 +175,7 @@ def _checkpoint(rank: int, world: int, device: torch.device) -> tuple[bool, str]
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
-        _loss(model, batch).backward()
+        lm_loss(model, batch).backward()
         opt.step()
         opt.zero_grad()
 

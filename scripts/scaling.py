@@ -4,7 +4,7 @@ Usage: ``python scripts/scaling.py [--model small] [--measure 1,2,4] [--plan 1,2
 [--out docs/scaling.png]``
 
 Measured: ``fullshard plan --check --json`` (peak live tensor storage per rank, the worst rank,
-FULL_SHARD, fp32 AdamW, batch 8 x 128 per rank). Planned: ``plan_model`` at each world size.
+FULL_SHARD, fp32 AdamW, batch 8 x 128 per rank). Planned: ``plan_builtin`` at each world size.
 The reference line is the model state 16·Ψ/N (4 B parameter + 4 B gradient + 8 B Adam state per
 parameter, sharded N ways) plus the gathered window and the activations, which do not shrink
 with N. Writes the PNG and a JSON of every figure next to it.
@@ -18,8 +18,8 @@ import subprocess
 import sys
 
 from fullshard.app.models import build_model, count_params
-from fullshard.observe.plan import PlanConfig
-from fullshard.observe.plan_model import plan_model
+from fullshard.app.plan_cli import plan_builtin
+from fullshard.plan import PlanConfig
 
 MIB = 2**20
 
@@ -45,7 +45,7 @@ def main() -> None:
     cfg = PlanConfig(precision="fp32", backend="gloo", batch=8, seq=128)
     planned, window_act = {}, {}
     for n in (int(x) for x in args.plan.split(",")):
-        plan = plan_model(args.model, n, cfg, with_recommendation=False)
+        plan = plan_builtin(args.model, n, cfg, with_recommendation=False)
         planned[n] = max(p.total - p.other for p in plan.phases.values()) / MIB
         fwd = plan.phases["backward"]
         window_act[n] = (fwd.gathered_window + fwd.activations + fwd.comm_buffers) / MIB

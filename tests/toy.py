@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from fullshard.app.models import lm_loss
+
 VOCAB, DIM, HIDDEN = 37, 12, 13
 
 
@@ -53,9 +55,8 @@ class ToyLM(nn.Module):
 
 
 def loss_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    """Next-token loss on ``idx`` (batch, seq)."""
-    logits = model(idx[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+    """Next-token loss on ``idx`` (batch, seq): the application's loss step."""
+    return lm_loss(model, idx)
 
 
 def batches(

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fullshard.app.models import logits_of
+from fullshard.app.models import lm_loss
 
 __all__ = [
     "C10D_KINDS",
@@ -177,10 +176,7 @@ def bench_step(v: Variant, batch: torch.Tensor) -> tuple[torch.Tensor, float]:
         else contextlib.nullcontext()
     )
     with ctx:
-        logits = logits_of(v.model(batch[:, :-1]))
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1)
-        )
+        loss = lm_loss(v.model, batch)
     loss.backward()
     v.opt.step()
     v.opt.zero_grad(set_to_none=True)

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from fullshard.observe.plan_model import PLAN_EPILOG, add_plan_arguments
+    from fullshard.app.plan_cli import PLAN_EPILOG, add_plan_arguments
 
     plan = sub.add_parser(
         "plan",
@@ -154,7 +154,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from fullshard.app.launch import check_devices, forward_flags, launch_local, under_torchrun
-    from fullshard.observe.plan_model import add_plan_arguments, run
+    from fullshard.app.plan_cli import add_plan_arguments, run
 
     if args.check:
         from fullshard.app.plan_check import (

@@ -24,6 +24,7 @@ __all__ = [
     "build_model",
     "count_params",
     "generate",
+    "lm_loss",
     "logits_of",
     "model_context_length",
     "resolve_model_spec",
@@ -244,6 +245,23 @@ def logits_of(output: object) -> torch.Tensor:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"model returned {type(output).__name__}, expected logits")
     return logits
+
+
+def lm_loss(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The language-model loss of every command: cross entropy of the next token.
+
+    ``targets`` default to the inputs shifted by one (then the model sees all but the last
+    token). bf16/fp16 logits are upcast to fp32: a 16-bit softmax over a large vocabulary loses
+    the small probabilities the gradient needs (fp64 stays fp64, for exact tests).
+    """
+    if targets is None:
+        inputs, targets = inputs[:, :-1], inputs[:, 1:]
+    logits = logits_of(model(inputs))
+    if logits.element_size() < 4:
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 @torch.no_grad()

@@ -18,15 +18,16 @@ import resource
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fullshard.app.launch import rank_session, resolve_backend
-from fullshard.app.models import build_model, unit_types_of
+from fullshard.app.models import build_model, lm_loss, unit_types_of
+from fullshard.app.plan_cli import plan_builtin
 from fullshard.app.wrap import shard_model
 from fullshard.dist import control
-from fullshard.observe.memory import CATEGORIES, PHASES, MemoryTracker
-from fullshard.observe.plan import PlanConfig
-from fullshard.observe.plan_model import plan_model
+from fullshard.observe.memory import MemoryTracker
+from fullshard.plan import PlanConfig
+from fullshard.policies import MEMORY_CATEGORIES as CATEGORIES
+from fullshard.policies import STEP_PHASES as PHASES
 
 __all__ = ["add_check_arguments", "check_json", "check_rank", "check_target", "format_check"]
 
@@ -85,7 +86,7 @@ def _check(
         batch=args.batch,
         seq=args.seq or 128,
     )
-    plan = plan_model(args.model, world, config, with_recommendation=False)
+    plan = plan_builtin(args.model, world, config, with_recommendation=False)
     rss0 = _rss_mib()
     model = build_model(args.model, 256, seed=0, device=device)
     group = config.shard_group(world)
@@ -95,8 +96,7 @@ def _check(
     tracker: MemoryTracker | None = None
     for step in range(args.check_steps + 1):
         x = torch.randint(256, (config.batch, config.seq + 1), generator=gen).to(device)
-        logits = model(x[:, :-1])
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).backward()
+        lm_loss(model, x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step == 0:  # the root is set up on the first forward: track from the next step

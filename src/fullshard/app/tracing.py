@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fullshard import step_schedule
 from fullshard.app.launch import add_device_arguments, rank_session
-from fullshard.app.models import build_model, count_params, unit_types_of
+from fullshard.app.models import build_model, count_params, lm_loss, unit_types_of
 from fullshard.app.wrap import shard_model
 from fullshard.dist import control
 from fullshard.observe.memory import MemoryTracker
@@ -65,8 +64,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
-    logits = model(x[:, :-1])
-    F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1)).backward()
+    lm_loss(model, x).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     if x.is_cuda:  # a step's time includes its GPU work, not just the host's issuing of it

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fullshard import ShardedGradScaler
@@ -38,6 +37,7 @@ from fullshard.app.models import (
     build_model,
     count_params,
     generate,
+    lm_loss,
     logits_of,
     model_context_length,
     unit_types_of,
@@ -74,11 +74,6 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = logits_of(model(x))
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-
-
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` without waiting for the device: a pageable host-to-GPU copy blocks
     the host until the GPU has finished everything queued before it, so batches go through
@@ -97,7 +92,7 @@ def evaluate(model: nn.Module, batches: list, device: torch.device) -> float | N
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for x, y in batches:
-        total[0] += _loss(model, to_device(x, device), to_device(y, device)).double()
+        total[0] += lm_loss(model, to_device(x, device), to_device(y, device)).double()
         total[1] += 1
     model.train()
     loss_sum, count = control.all_reduce_values(total, what="validation loss all-reduce").tolist()
@@ -228,7 +223,7 @@ def _train(
             # into the unsharded gradients locally.
             set_gradient_sync(model, k == cfg.grad_accum - 1)
             x, y = sampler.next_batch()
-            loss = _loss(model, to_device(x, device), to_device(y, device)) / cfg.grad_accum
+            loss = lm_loss(model, to_device(x, device), to_device(y, device)) / cfg.grad_accum
             if poison:
                 loss = loss * float("nan")
             (scaler.scale(loss) if scaler is not None else loss).backward()

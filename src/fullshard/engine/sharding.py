@@ -53,16 +53,24 @@ def hybrid_shard_size(world_size: int, requested: int = 0, local_world_size: int
     ``requested`` (> 0) wins. Otherwise, on several nodes the ranks of one node
     (``local_world_size``, default ``LOCAL_WORLD_SIZE``) shard and the nodes replicate; on one
     node, half the ranks shard and the two halves replicate. The size must divide the world and
-    be smaller than it (a hybrid of one group is FULL_SHARD).
+    be smaller than it (one group is FULL_SHARD); a default below 2 would be NO_SHARD, so it is
+    refused and must be asked for.
     """
     size = requested
     if size <= 0:
         local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         size = local if local < world_size else world_size // 2
+        if size < 2 or world_size % size:
+            raise FullshardError(
+                f"a hybrid strategy on {world_size} ranks has no default shard group size (a "
+                f"node's ranks, or half the ranks: {size}, must be at least 2 and divide "
+                f"{world_size}); give one (--shard-size, or mesh=init_device_mesh(device, "
+                "(replicas, shard_size))), e.g. 2 with 4 ranks, or use full_shard / shard_grad_op"
+            )
     if size < 1 or size >= world_size or world_size % size:
         raise FullshardError(
             f"a hybrid strategy on {world_size} ranks needs a shard group size that divides "
-            f"{world_size} and is smaller than it (got {size}); set it explicitly (--shard-size, "
+            f"{world_size} and is smaller than it (got {size}); set another one (--shard-size, "
             "or mesh=init_device_mesh(device, (replicas, shard_size))), e.g. 2 with 4 ranks, "
             "or use full_shard / shard_grad_op"
         )

@@ -1,1 +1,1 @@
-"""shard layer of fullshard (see DESIGN.md)."""
+"""Sharding arithmetic (layer 3): pure tensor math, no collectives."""

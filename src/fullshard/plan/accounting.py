@@ -1,10 +1,12 @@
-"""``fullshard plan``: per-device memory and communication of a sharded training step (layer 10).
+"""The planner: per-device memory and communication of a sharded training step (layer 10).
 
 Two ways in, one accounting. :func:`plan_analytic` describes a model by its parameter count and
-``layers`` equal units; :func:`fullshard.observe.plan_model.plan_model` reads a real model's units
+``layers`` equal units; :func:`fullshard.plan.model.plan_model` reads a real model's units
 (built on the meta device, so any size is free). Both reduce the model to a list of
 :class:`UnitCost` and hand it to :func:`build_plan`, which walks one training step the way the
-engine runs it and reports, per phase, the peak bytes of each category in :data:`CATEGORIES`.
+engine runs it and reports, per phase, the peak bytes of each category of
+``fullshard.policies.MEMORY_CATEGORIES`` (the memory tracker's vocabulary). Pure functions: no
+process group, no model memory; the report and the ``fullshard plan`` command live in ``fullshard.app``.
 
 NOTE [Two byte conventions]
 The ZeRO ladder is quoted in the ZeRO paper's convention (Rajbhandari et al., 2020, section 3.1):
@@ -17,9 +19,10 @@ to 16 B/param at rest; they split it differently between "parameters", "gradient
 
 NOTE [Step model]
 Steady state (step >= 2, optimizer state exists), ``zero_grad(set_to_none=True)`` so forward
-holds no gradients. Forward: all activations, the root unit gathered, two non-root units gathered
-(the one computing and the prefetched one; all of them under SHARD_GRAD_OP), one all-gather
-output buffer (the copy-out moment). Backward is walked unit by unit in reverse: activations of
+holds no gradients. Forward: all activations, the root unit gathered, one non-root unit
+gathered (the one computing; all of them under SHARD_GRAD_OP) while the next one's all-gather
+is in flight as one output buffer (the engine allocates a prefetched unit's gathered storage
+only when it is waited for). Backward is walked unit by unit in reverse: activations of
 the units not yet visited, sharded gradients of those already reduced, the unit's gathered
 parameters and unsharded gradients, the root's (gathered through backward, gradients reduced at
 the end), one gather in flight (prefetch) and the previous unit's reduce-scatter in flight
@@ -32,12 +35,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from fullshard.engine.sharding import hybrid_shard_size
+from fullshard.policies import MEMORY_CATEGORIES, STRATEGY_NAMES, FullshardError, ShardingStrategy
+
 __all__ = [
-    "CATEGORIES",
     "DTYPE_BYTES",
     "OPTIMIZERS",
-    "PHASES",
-    "STRATEGIES",
     "Collective",
     "Ladder",
     "PhaseMemory",
@@ -52,17 +55,6 @@ __all__ = [
     "plan_analytic",
 ]
 
-# The memory categories, named like the memory tracker's, so a check can compare them one by one.
-CATEGORIES = (
-    "sharded_params",
-    "gradients",
-    "optimizer_state",
-    "gathered_window",
-    "activations",
-    "comm_buffers",
-)
-PHASES = ("forward", "backward", "optimizer")  # as the memory tracker names them
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Optimizer states per parameter (each in the fp32 master dtype) and foreach temporaries:
 # torch's multi-tensor Adam allocates sqrt(exp_avg_sq) for every parameter during step().
@@ -110,15 +102,10 @@ class PlanConfig:
         if self.strategy == "no_shard":
             return 1
         if self.strategy.startswith("hybrid"):
-            group = self.hybrid_group or min(self.devices_per_node, world_size)
-            if group < 1 or group >= world_size or world_size % group:
-                # the engine refuses these too (fullshard.engine.parallelize.strategy_mesh)
-                raise ValueError(
-                    f"{self.strategy} on {world_size} devices needs a shard group size that "
-                    f"divides {world_size} and is smaller than it (got {group}); set "
-                    "--hybrid-group, or use full_shard / shard_grad_op on one node"
-                )
-            return group
+            try:  # the engine's default and its check: a node's devices, else half the world
+                return hybrid_shard_size(world_size, self.hybrid_group or 0, self.devices_per_node)
+            except FullshardError as exc:
+                raise ValueError(f"{self.strategy}: {exc} (--hybrid-group here)") from None
         return world_size
 
 
@@ -173,8 +160,8 @@ class PhaseMemory:
     total: float = 0.0
 
     def categories(self) -> dict[str, float]:
-        """The six named categories as a dict (see :data:`CATEGORIES`)."""
-        return {c: getattr(self, c) for c in CATEGORIES}
+        """The six named categories as a dict (``MEMORY_CATEGORIES``)."""
+        return {c: getattr(self, c) for c in MEMORY_CATEGORIES}
 
 
 @dataclass(frozen=True)
@@ -246,7 +233,7 @@ class Plan:
 
     def category_peaks(self) -> dict[str, float]:
         """Each category's peak over the whole step."""
-        return {c: max(getattr(p, c) for p in self.phases.values()) for c in CATEGORIES}
+        return {c: max(getattr(p, c) for p in self.phases.values()) for c in MEMORY_CATEGORIES}
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict (bytes as numbers)."""
@@ -311,8 +298,9 @@ def build_plan(
     See NOTE [Step model] for what is counted when. Bytes are per device (rank 0, which holds
     the most real rows: padding lives on the last ranks).
     """
-    if config.strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {config.strategy!r}; one of {', '.join(STRATEGIES)}")
+    if config.strategy not in STRATEGY_NAMES:
+        names = ", ".join(STRATEGY_NAMES)
+        raise ValueError(f"unknown strategy {config.strategy!r}; one of {names}")
     if config.precision not in DTYPE_BYTES or config.optimizer not in OPTIMIZERS:
         raise ValueError(
             f"unknown precision {config.precision!r} or optimizer {config.optimizer!r}"
@@ -333,7 +321,7 @@ def build_plan(
     blocks = [u for u in units if not u.is_root]
     # Root stays gathered from forward through backward when other units exist (fully_shard's
     # reshard_after_forward=None); blocks reshard after forward under FULL_SHARD / HYBRID_SHARD.
-    raf = config.strategy in ("full_shard", "hybrid_shard")
+    raf = ShardingStrategy(config.strategy).reshard_after_forward
     aliased = n == 1 and not mixed and not config.offload  # gathered params view the shards
     ckpt = config.activation_checkpointing
     host = config.offload
@@ -391,12 +379,12 @@ def build_plan(
     # Unsharded gradients count as "gradients" (as the memory tracker does) until reduced.
     root_params = root_gathered
     root_grads = sum(ugrad(u) for u in root)
-    peak = dict.fromkeys(CATEGORIES, 0.0)
+    peak = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
     peak_total = 0.0
 
     def visit(**now: float) -> None:
         nonlocal peak_total
-        for c in CATEGORIES:
+        for c in MEMORY_CATEGORIES:
             peak[c] = max(peak[c], now.get(c, 0.0))
         peak_total = max(peak_total, static + sum(now.values()))
 

@@ -1,0 +1,267 @@
+"""``fullshard plan``: its options, the report it prints, and the plan of a built-in model.
+
+The planner itself is a library (``fullshard.plan``); this module turns command-line options into
+a :class:`~fullshard.plan.PlanConfig`, builds ``fullshard.app.models`` models on the meta device
+for it, and formats the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from fullshard.app.models import build_model, lm_loss, unit_types_of
+from fullshard.plan import GB, Plan, PlanConfig, fmt_bytes, plan_analytic, plan_model, recommend
+from fullshard.plan.accounting import DTYPE_BYTES, OPTIMIZERS, Recommendation
+from fullshard.plan.model import describe
+from fullshard.policies import MEMORY_CATEGORIES, STEP_PHASES, STRATEGY_NAMES
+
+__all__ = [
+    "PLAN_EPILOG",
+    "add_plan_arguments",
+    "format_plan",
+    "make_plan",
+    "plan_builtin",
+    "plan_json",
+    "run",
+]
+
+
+def plan_builtin(
+    name: str,
+    world_size: int,
+    config: PlanConfig | None = None,
+    *,
+    vocab_size: int = 256,
+    with_recommendation: bool = True,
+) -> Plan:
+    """:func:`fullshard.plan.plan_model` for a ``fullshard.app.models`` name (``small``,
+    ``gpt2-124m``, ``hf:NAME`` ...), built on the meta device, with the trainer's loss."""
+    model = build_model(name, vocab_size, device="meta")
+    config = config or PlanConfig(precision="fp32", seq=128)
+    return plan_model(
+        model,
+        unit_types_of(model),
+        world_size,
+        config,
+        loss_step=lm_loss,
+        name=name,
+        shape={"batch": config.batch, "seq": config.seq, "vocab": vocab_size},
+        with_recommendation=with_recommendation,
+    )
+
+
+def make_plan(
+    world_size: int,
+    config: PlanConfig,
+    *,
+    params: float | None = None,
+    model: str | None = None,
+    layers: int = 32,
+    hidden: int | None = None,
+    heads: int | None = None,
+    fused_attention: bool = False,
+    vocab_size: int = 256,
+) -> Plan:
+    """What ``fullshard plan`` prints: an analytic (``params``) or model (``model``) plan with its
+    recommendation attached."""
+    if (params is None) == (model is None):
+        raise ValueError("give either a parameter count (--params) or a model (--model)")
+    if model is not None:
+        return plan_builtin(model, world_size, config, vocab_size=vocab_size)
+    assert params is not None
+
+    def evaluate(cfg: PlanConfig) -> Plan:
+        return plan_analytic(
+            params, world_size, cfg, layers=layers, hidden=hidden, heads=heads,
+            fused_attention=fused_attention,
+        )  # fmt: skip
+
+    plan = evaluate(config)
+    plan.recommendation = recommend(evaluate, config, world_size)
+    return plan
+
+
+def format_plan(plan: Plan) -> str:
+    """The readable report: ladder, shard, window, memory by phase, communication, verdict."""
+    cfg = plan.config
+    cb = DTYPE_BYTES[cfg.precision]
+    lad = plan.ladder
+    precision = "fp32" if cb == 4 else f"{cfg.precision} mixed precision (fp32 master weights)"
+    shape = ", ".join(f"{k} {v}" for k, v in plan.shape.items())
+    name = f"{plan.model}, " if plan.mode == "model" else ""
+    root = " + root" if plan.mode == "model" else " (equal layers)"
+    lines = [
+        f"fullshard plan ({plan.mode} mode): {name}{plan.params:,.0f} parameters in "
+        f"{plan.layers} units{root}, {plan.world_size} devices",
+        f"  {cfg.strategy} (shard group {plan.shard_group}), {precision}, {cfg.optimizer}, "
+        f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
+        f"offload {'on' if cfg.offload else 'off'}; per device: {shape}",
+        "",
+        f"ZeRO ladder: model state per device at {lad.bytes_per_param:g} B/param "
+        f"({cb} params + {cb} grads + {lad.bytes_per_param - 2 * cb:g} optimizer), no activations",
+    ]
+    rungs = [
+        ("replicated (DDP)", lad.replicated),
+        ("P_os     (+ optimizer sharded)", lad.os),
+        ("P_os+g   (+ gradients)", lad.os_g),
+        ("P_os+g+p (+ parameters)", lad.os_g_p),
+    ]
+    lines += [f"  {name:<34}{fmt_bytes(v):>12}" for name, v in rungs]
+    per = plan.shard_bytes / max(plan.params, 1) * plan.shard_group
+    lines += [
+        "",
+        f"  {'shard per device (' + f'{per:.3g} B/param / {plan.shard_group})':<34}"
+        f"{fmt_bytes(plan.shard_bytes):>12}",
+        f"  {'gathered window, forward':<34}{fmt_bytes(plan.window_forward):>12}"
+        f"  2 units of parameters ({cfg.precision})",
+        f"  {'gathered window, backward':<34}{fmt_bytes(plan.window_backward):>12}"
+        "  2 units of parameters + 1 unit of gradients",
+        "",
+        "Peak memory per device by phase (see NOTE [Step model] in fullshard.plan.accounting)",
+        f"  {'category':<18}" + "".join(f"{p:>14}" for p in STEP_PHASES),
+    ]
+    for c in (*MEMORY_CATEGORIES, "other", "total"):
+        cells = "".join(f"{fmt_bytes(getattr(plan.phases[p], c)):>14}" for p in STEP_PHASES)
+        lines.append(f"  {c:<18}{cells}")
+    lines += ["", f"Communication per step: {plan.comm_units:.3g} model units"]
+    for col in plan.comm:
+        lines.append(
+            f"  {col.kind:<24}{col.group + ' group of ' + str(col.group_size):<24}"
+            f"{col.units:>6.3g} units {fmt_bytes(col.tensor_bytes):>10} "
+            f"({fmt_bytes(col.sent_bytes)} sent per device)"
+        )
+    if not plan.comm:
+        lines.append("  none (one device)")
+    lines.append("")
+    if plan.usable_bytes is not None:
+        verdict = "fits" if plan.fits else "does NOT fit"
+        lines.append(
+            f"Device memory {fmt_bytes(cfg.device_memory or 0)} ({fmt_bytes(plan.usable_bytes)} "
+            f"usable, {cfg.reserve:.0%} reserve): peak {fmt_bytes(plan.peak_bytes)} -> {verdict}"
+        )
+    if plan.host_bytes:
+        lines.append(f"Host memory per device (offloaded state): {fmt_bytes(plan.host_bytes)}")
+    rec = plan.recommendation
+    if rec is not None:
+        lines.append(f"Recommendation: {_describe_rec(rec)}")
+        lines.append(f"  why: {rec.reason}")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def _describe_rec(rec: Recommendation) -> str:
+    return describe(
+        PlanConfig(
+            strategy=rec.strategy,
+            hybrid_group=rec.hybrid_group,
+            activation_checkpointing=rec.activation_checkpointing,
+            offload=rec.offload,
+        )
+    )
+
+
+def plan_json(plan: Plan) -> str:
+    """The plan as indented JSON (bytes as numbers)."""
+    return json.dumps(plan.to_dict(), indent=2, default=str)
+
+
+PLAN_EPILOG = """\
+examples:
+  fullshard plan --params 7.5e9 --devices 64                 # the ZeRO paper's ladder
+  fullshard plan --params 70e9 --layers 80 --devices 8 --device-memory 80
+  fullshard plan --model small --devices 4 --batch 8 --seq 128
+  fullshard plan --model 7b --devices 1024 --precision bf16 --json
+
+GB = 1e9 bytes. Analytic mode splits --params into --layers equal units; model mode builds
+the model on the meta device (no memory) and shards each unit as the engine would.
+"""
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``fullshard plan``."""
+    what = parser.add_argument_group("model (one of)")
+    src = what.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (analytic mode)")
+    src.add_argument("--model", help="a fullshard.app.models name: tiny, demo, small, gpt2-124m, "
+                     "1b, 7b, or hf:NAME (model mode)")  # fmt: skip
+    what.add_argument("--layers", type=int, default=32,
+                      help="analytic: transformer layers = units (default 32)")  # fmt: skip
+    what.add_argument("--hidden", type=int, help="analytic: hidden size (default "
+                      "sqrt(params / (12 * layers)))")  # fmt: skip
+    what.add_argument("--heads", type=int, help="analytic: attention heads (default hidden/128)")
+    what.add_argument("--fused-attention", action="store_true",
+                      help="analytic: flash/fused attention (no s*s scores saved)")  # fmt: skip
+    what.add_argument("--vocab", type=int, default=256,
+                      help="model: vocabulary size (default 256, byte-level)")  # fmt: skip
+    hw = parser.add_argument_group("hardware")
+    hw.add_argument("--devices", type=int, required=True, help="number of devices (world size)")
+    hw.add_argument("--device-memory", type=float, default=80.0,
+                    help="memory per device in GB (default 80)")  # fmt: skip
+    hw.add_argument("--reserve", type=float, default=0.1,
+                    help="fraction of device memory kept back for context and fragmentation "
+                    "(default 0.1)")  # fmt: skip
+    hw.add_argument("--devices-per-node", type=int, default=8,
+                    help="devices per node: the default hybrid group (default 8)")  # fmt: skip
+    run_ = parser.add_argument_group("training")
+    run_.add_argument("--strategy", default="full_shard", choices=STRATEGY_NAMES,
+                      help="sharding strategy to plan (default full_shard)")  # fmt: skip
+    run_.add_argument("--hybrid-group", type=int,
+                      help="hybrid strategies: devices per shard group (default: per node)")  # fmt: skip
+    run_.add_argument("--precision", choices=tuple(DTYPE_BYTES),
+                      help="fp32, or bf16/fp16 mixed precision with fp32 master weights "
+                      "(default: bf16 analytic, fp32 model mode as fullshard train)")  # fmt: skip
+    run_.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES),
+                      help="gradient reduction dtype (default fp32)")  # fmt: skip
+    run_.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS),
+                      help="adam/adamw: 2 fp32 states (K = 12 B/param with the master copy "
+                      "in mixed precision); sgd-momentum: 1; sgd: 0 (default adam)")  # fmt: skip
+    run_.add_argument("--batch", type=int, default=1, help="sequences per device (default 1)")
+    run_.add_argument("--seq", type=int,
+                      help="tokens per sequence (default: 2048 analytic, 128 model mode)")  # fmt: skip
+    run_.add_argument("--activation-checkpointing", action="store_true",
+                      help="recompute each unit's activations in backward")  # fmt: skip
+    run_.add_argument("--offload", action="store_true",
+                      help="keep shards, gradients and the optimizer step on the CPU")  # fmt: skip
+    run_.add_argument(
+        "--backend",
+        default="nccl",
+        choices=("nccl", "gloo"),
+        help="collective backend: gloo's reduce-scatter needs one more buffer (default nccl)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run(args: argparse.Namespace) -> str:
+    """``fullshard plan``: the report (or JSON) for parsed ``args``."""
+    analytic = args.params is not None
+    for name in ("devices", "layers", "batch", "devices_per_node"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    config = PlanConfig(
+        strategy=args.strategy,
+        hybrid_group=args.hybrid_group,
+        precision=args.precision or ("bf16" if analytic else "fp32"),
+        reduce_dtype=args.reduce_dtype,
+        optimizer=args.optimizer,
+        batch=args.batch,
+        seq=args.seq or (2048 if analytic else 128),
+        activation_checkpointing=args.activation_checkpointing,
+        offload=args.offload,
+        device_memory=args.device_memory * GB,
+        reserve=args.reserve,
+        devices_per_node=args.devices_per_node,
+        backend=args.backend,
+    )
+    plan = make_plan(
+        args.devices,
+        config,
+        params=args.params,
+        model=args.model,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        fused_attention=args.fused_attention,
+        vocab_size=args.vocab,
+    )
+    return plan_json(plan) if args.json else format_plan(plan)

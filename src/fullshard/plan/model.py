@@ -1,0 +1,330 @@
+"""The planner's model mode (layer 10): unit sizes and activations of a real model, and the
+recommendation.
+
+The model may be built on the meta device (any size, no memory). Its parameters are split into
+units by the same :class:`~fullshard.engine.sharding.ShardingPlan` that ``parallelize`` applies
+(NOTE [Unit membership]), and each unit laid out by :class:`fullshard.shard.layout.FlatLayout` so the per-rank
+shard includes its padding.
+
+Activations are measured, not guessed: one forward and the caller's loss step run under ``FakeTensorMode`` (tensors
+with shapes and a CPU device but no storage, so the same kernels as a real CPU run are chosen)
+and a ``saved_tensors_hooks`` pack hook records every distinct storage autograd saves, attributed
+to the unit whose forward is running. Parameters are excluded (they are the gathered window).
+When that fails (a model whose forward cannot run on fake tensors), the Korthikanti estimate from
+the model's shape is used instead and the plan says so in ``notes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from fullshard.dist.desync import TAG_LEN
+from fullshard.engine.sharding import UnitPlan, plan_sharding
+from fullshard.plan.accounting import (
+    DTYPE_BYTES,
+    Plan,
+    PlanConfig,
+    Recommendation,
+    UnitCost,
+    build_plan,
+    fmt_bytes,
+    korthikanti_activation_bytes,
+)
+from fullshard.shard.layout import FlatLayout
+
+__all__ = [
+    "LossStep",
+    "describe",
+    "measure_activations",
+    "model_units",
+    "plan_model",
+    "recommend",
+]
+
+# One training step's loss for a batch of token ids: ``loss_step(model, tokens)``.
+LossStep = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _units(model: nn.Module, unit_types: Sequence[type[nn.Module]]) -> tuple[UnitPlan, ...]:
+    # membership only: the strategy and world size do not change which unit owns what
+    return plan_sharding(model, "full_shard", unit_types, world_size=1).units
+
+
+def model_units(
+    model: nn.Module,
+    unit_types: Sequence[type[nn.Module]],
+    shard_group: int,
+    activations: dict[int, tuple[float, float]] | None = None,
+) -> list[UnitCost]:
+    """The model's units with per-rank shard sizes (padding included) for ``shard_group`` ranks.
+
+    ``activations`` maps a unit index (0 = the root) to ``(saved bytes, input bytes)``.
+    """
+    out = []
+    for i, unit in enumerate(_units(model, unit_types)):
+        params = [model.get_parameter(n) for n in unit.params]
+        shapes = [p.shape if p.dim() else torch.Size([1]) for p in params]
+        trainable = [s for s, p in zip(shapes, params, strict=True) if p.requires_grad]
+        # the engine's layout: each rank's shard ends in the all-gather's position tags
+        layout = FlatLayout(shapes, shard_group, tail=TAG_LEN if shard_group > 1 else 0)
+        grad_layout = FlatLayout(trainable, shard_group)
+        act, inp = (activations or {}).get(i, (0.0, 0.0))
+        out.append(
+            UnitCost(
+                name=unit.name or "root",
+                numel=float(unit.numel),
+                trainable_numel=float(unit.trainable_numel),
+                shard_numel=float(layout.shard_numel),
+                # + one presence column per trainable parameter (NOTE [Which gradients exist])
+                grad_shard_numel=float(grad_layout.shard_numel + len(trainable)),
+                act_bytes=act,
+                input_bytes=inp,
+                is_root=unit.is_root,
+            )
+        )
+    # (a root without parameters of its own stays as an empty unit: its activations count)
+    return out
+
+
+@contextlib.contextmanager
+def _fake_mode() -> Iterator[None]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield
+
+
+class _WithLoss(nn.Module):
+    # the model and its loss step as one module, so functional_call swaps the parameters of both
+    def __init__(self, model: nn.Module, loss_step: LossStep) -> None:
+        super().__init__()
+        self.m = model
+        self.loss_step = loss_step
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.loss_step(self.m, tokens)
+
+
+def measure_activations(
+    model: nn.Module,
+    unit_types: Sequence[type[nn.Module]],
+    loss_step: LossStep,
+    batch: int,
+    seq: int,
+    dtype: torch.dtype,
+) -> dict[int, tuple[float, float]]:
+    """Bytes autograd saves per unit for one forward + ``loss_step``, on fake tensors.
+
+    ``loss_step(model, tokens)`` gets ``seq + 1`` token ids per sequence (a language model's
+    step predicts ``seq`` of them). Returns ``{unit index: (saved bytes, input bytes)}``; index
+    0 is the root. The model's own parameters are not touched: ``torch.func.functional_call``
+    swaps in fake ones of ``dtype``.
+    """
+    from torch.func import functional_call
+
+    units = _units(model, unit_types)
+    owner_of = {id(model.get_submodule(u.name)): i for i, u in enumerate(units) if i > 0}
+    saved: dict[int, tuple[object, float, int]] = {}
+    inputs = dict.fromkeys(range(len(units)), 0.0)
+    stack = [0]
+
+    def pre(mod: nn.Module, args: tuple[object, ...]) -> None:
+        stack.append(owner_of[id(mod)])
+        inputs[stack[-1]] += sum(
+            a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
+        )
+
+    def post(mod: nn.Module, args: object, out: object) -> None:
+        stack.pop()
+
+    handles = [m.register_forward_pre_hook(pre) for m in model.modules() if id(m) in owner_of]
+    handles += [m.register_forward_hook(post) for m in model.modules() if id(m) in owner_of]
+    try:
+        with _fake_mode():
+            fakes = {
+                "m." + n: torch.empty(
+                    p.shape,
+                    dtype=dtype if p.is_floating_point() else p.dtype,
+                    device="cpu",
+                    requires_grad=p.requires_grad,
+                )
+                for n, p in model.named_parameters(remove_duplicate=False)
+            }
+            fakes.update(
+                ("m." + n, torch.empty(b.shape, dtype=b.dtype, device="cpu"))
+                for n, b in model.named_buffers()
+            )
+            skip = {t.untyped_storage()._cdata for t in fakes.values()}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                storage = t.untyped_storage()
+                if storage._cdata not in skip and storage._cdata not in saved:
+                    # keep the storage object alive so its id is not reused while we count
+                    saved[storage._cdata] = (storage, float(storage.nbytes()), stack[-1])
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                tokens = torch.zeros(batch, seq + 1, dtype=torch.long, device="cpu")
+                loss = functional_call(_WithLoss(model, loss_step), fakes, (tokens,))
+                del loss
+    finally:
+        for h in handles:
+            h.remove()
+    acts = dict.fromkeys(range(len(units)), 0.0)
+    for _, nbytes, unit in saved.values():
+        acts[unit] += nbytes
+    return {i: (acts[i], inputs[i]) for i in range(len(units))}
+
+
+def _shape_estimate(model: nn.Module, batch: int, seq: int, cb: int) -> tuple[float, int]:
+    """Fallback: Korthikanti per layer from the model's hidden size and heads (0 if unknown)."""
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    hidden = getattr(cfg, "d_model", None) or getattr(cfg, "hidden_size", None)
+    heads = getattr(cfg, "n_head", None) or getattr(cfg, "num_attention_heads", None)
+    if not hidden or not heads:
+        return 0.0, 0
+    return korthikanti_activation_bytes(batch, seq, hidden, heads, act_bytes=cb), int(hidden)
+
+
+def plan_model(
+    model: nn.Module,
+    unit_types: Sequence[type[nn.Module]],
+    world_size: int,
+    config: PlanConfig | None = None,
+    *,
+    loss_step: LossStep,
+    name: str | None = None,
+    shape: dict[str, int] | None = None,
+    with_recommendation: bool = True,
+) -> Plan:
+    """Predict per-device memory (by category and phase) and communication for a real model.
+
+    ``model``: any module (any device, the meta device included; a real one is not modified),
+    whose modules of ``unit_types`` become units. ``loss_step(model, tokens)`` is one step's
+    loss, run once on fake tensors to measure activations. ``config`` gives strategy,
+    precision, optimizer, per-device ``batch`` and ``seq``, checkpointing and offload
+    (:class:`PlanConfig`). ``name`` and ``shape`` only label the report. The result's
+    ``phases[phase].categories()`` use the memory tracker's vocabulary
+    (``fullshard.policies.MEMORY_CATEGORIES``).
+    """
+    config = config or PlanConfig(precision="fp32", seq=128)
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, got {world_size}")
+    notes: list[str] = []
+    dtype = _TORCH_DTYPES[config.precision]
+    try:
+        acts = measure_activations(model, unit_types, loss_step, config.batch, config.seq, dtype)
+        notes.append("activations: saved tensors of one forward + loss, measured on fake tensors")
+    except Exception as exc:  # any model whose forward fake tensors cannot run
+        cb = DTYPE_BYTES[config.precision]
+        per_layer, hidden = _shape_estimate(model, config.batch, config.seq, cb)
+        # checkpointing keeps each block's input: batch * seq * hidden in the compute dtype
+        inp = float(config.batch * config.seq * hidden * cb)
+        acts = {i: (per_layer, inp) for i in range(1, len(_units(model, unit_types)))}
+        notes.append(f"activations: Korthikanti estimate (fake-tensor forward failed: {exc})")
+    label = name or type(model).__name__
+    shape = shape or {"batch": config.batch, "seq": config.seq}
+
+    def evaluate(cfg: PlanConfig) -> Plan:
+        units = model_units(model, unit_types, cfg.shard_group(world_size), acts)
+        return build_plan(
+            units, world_size, cfg, mode="model", model=label, shape=shape, notes=notes
+        )
+
+    plan = evaluate(config)
+    if with_recommendation:
+        plan.recommendation = recommend(evaluate, config, world_size)
+    return plan
+
+
+# -- recommendation ------------------------------------------------------------------------
+# Why each strategy is preferred when it fits (the candidates' order is the reasoning).
+_WHY = {
+    "no_shard": "replicated state fits, and plain data parallelism moves the least (one "
+    "all-reduce, 2 model units per step)",
+    "hybrid_shard_zero2": "gathers and reduce-scatters stay inside groups of {g} (one node); "
+    "across groups only each shard is all-reduced (2/{g} units), and parameters stay gathered "
+    "from forward to backward (no second all-gather)",
+    "shard_grad_op": "2 model units per step (no backward all-gather): parameters stay gathered "
+    "from forward to backward",
+    "hybrid_shard": "gathers and reduce-scatters stay inside groups of {g}; across groups only "
+    "2/{g} units; parameters are freed after forward",
+    "full_shard": "the least memory: everything sharded over all devices and parameters freed "
+    "after forward, for 3 model units per step (1.5x plain data parallelism)",
+}
+
+
+def _candidates(world: int, per_node: int) -> list[tuple[str, int | None]]:
+    """Strategies from the least communication to the least memory."""
+    out: list[tuple[str, int | None]] = [("no_shard", None)]
+    groups = []
+    g = per_node
+    while 1 < g < world:
+        if world % g == 0:
+            groups.append(g)
+        g *= 2
+    # Hybrid keeps the gathers inside a node: across nodes only 2/G units (the shard all-reduce).
+    out += [("hybrid_shard_zero2", g) for g in groups]
+    out.append(("shard_grad_op", None))
+    out += [("hybrid_shard", g) for g in groups]
+    out.append(("full_shard", None))
+    return out
+
+
+def describe(cfg: PlanConfig) -> str:
+    """A configuration in words, e.g. ``hybrid_shard (groups of 8) + CPU offload``."""
+    text = cfg.strategy + (f" (groups of {cfg.hybrid_group})" if cfg.hybrid_group else "")
+    extras = [x for x, on in (("activation checkpointing", cfg.activation_checkpointing),
+                              ("CPU offload", cfg.offload)) if on]  # fmt: skip
+    return text + "".join(f" + {x}" for x in extras)
+
+
+def recommend(
+    evaluate: Callable[[PlanConfig], Plan], config: PlanConfig, world: int
+) -> Recommendation:
+    """Pick the cheapest configuration that fits ``config.device_memory``, and say why.
+
+    Preference: no activation checkpointing before checkpointing (recomputation costs about
+    one extra forward), then the strategy with the least communication (:func:`_candidates`),
+    CPU offload last (host-device copies every step). ``evaluate`` plans one configuration.
+    """
+    usable = (config.device_memory or float("inf")) * (1.0 - config.reserve)
+    # (strategy, checkpointing) -> why it was rejected; hybrid keeps its largest group tried
+    rejected: dict[tuple[str, bool], str] = {}
+    for ckpt, offload in ((False, False), (True, False), (True, True)):
+        for strategy, group in _candidates(world, config.devices_per_node):
+            if offload and strategy != "full_shard":
+                continue
+            cfg = replace(
+                config,
+                strategy=strategy,
+                hybrid_group=group,
+                activation_checkpointing=ckpt,
+                offload=offload,
+            )
+            plan = evaluate(cfg)
+            if plan.peak_bytes <= usable:
+                why = f"{describe(cfg)} fits: peak {fmt_bytes(plan.peak_bytes)} per device of "
+                why += f"{fmt_bytes(usable)} usable; {_WHY[strategy].format(g=group)}."
+                if rejected:
+                    why += " Cheaper options do not fit: " + "; ".join(rejected.values()) + "."
+                if offload:
+                    why += f" Host memory per device: {fmt_bytes(plan.host_bytes)}."
+                return Recommendation(strategy, group, ckpt, offload, True, plan.peak_bytes, why)
+            rejected[(strategy, ckpt)] = f"{describe(cfg)} needs {fmt_bytes(plan.peak_bytes)}"
+    last = replace(config, strategy="full_shard", hybrid_group=None,
+                   activation_checkpointing=True, offload=True)  # fmt: skip
+    plan = evaluate(last)
+    why = (
+        f"nothing fits {fmt_bytes(usable)} usable per device; the smallest is "
+        f"{describe(last)} at {fmt_bytes(plan.peak_bytes)} (gathered window "
+        f"{fmt_bytes(plan.window_backward)} + activations). Reduce --batch / --seq or use "
+        "tensor parallelism."
+    )
+    return Recommendation("full_shard", None, True, True, False, plan.peak_bytes, why)
