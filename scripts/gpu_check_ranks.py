@@ -46,8 +46,9 @@ from fullshard import (
 from fullshard.app.models import lm_loss
 from fullshard.checkpoint import CheckpointManager
 from fullshard.dist import control
+from fullshard.policies import STRATEGY_NAMES
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
+STRATEGIES = STRATEGY_NAMES
 TOLERANCE = 1e-4  # float32, TF32 off; GPU kernels may still sum in another order
 
 

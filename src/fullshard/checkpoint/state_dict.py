@@ -24,9 +24,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.dist.control import broadcast_tensor
-from fullshard.engine.param import ShardedParam, as_dtensor
+from fullshard.engine.param import as_dtensor
 from fullshard.engine.sharding import units
-from fullshard.engine.state_dict_hooks import to_local_shard
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError
 from fullshard.shard.layout import chunk_of
@@ -53,16 +52,6 @@ def _param_index(model: nn.Module) -> dict[int, tuple[str, CommUnit | None, int]
     for fqn, param in model.named_parameters():  # parameters no unit manages
         out.setdefault(id(param), (fqn, None, -1))
     return out
-
-
-def _to_dtensor(value: Any, sp: ShardedParam) -> Any:
-    """Optimizer state of a sharded parameter as a DTensor of its layout (state made by a torch
-    optimizer over DTensor parameters already is one; a plain shard-shaped tensor is wrapped)."""
-    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0:
-        return value
-    if value.shape != sp.local.shape:
-        return value  # not shaped like the parameter (e.g. factored state): keep as it is
-    return as_dtensor(value, sp.sharded)
 
 
 def _init_optim_state(opt: torch.optim.Optimizer) -> None:
@@ -117,7 +106,7 @@ def get_state_dict(
                 if state is None:
                     continue
                 if unit is not None:
-                    state = {k: _to_dtensor(v, unit.params[i]) for k, v in state.items()}
+                    state = {k: unit.params[i].state_as_dtensor(v) for k, v in state.items()}
                 optim_sd["state"][fqn] = state
             optim_sd["param_groups"].append(
                 {**{k: v for k, v in native_group.items() if k != "params"}, "params": fqns}
@@ -135,7 +124,7 @@ def _local(value: Any, unit: CommUnit | None, index: int, key: str) -> Any:
     sp = unit.params[index]
     if value.dim() == 0 or (not isinstance(value, DTensor) and value.shape != sp.shape):
         return value
-    return as_dtensor(to_local_shard(unit, index, value, key).to(sp.local.device), sp.sharded)
+    return as_dtensor(sp.shard_of(value, key).to(sp.local.device), sp.sharded)
 
 
 def set_state_dict(

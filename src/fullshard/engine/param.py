@@ -32,7 +32,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fullshard.shard.layout import contiguous_stride
+from fullshard.policies import FullshardError
+from fullshard.shard.layout import chunk_of, contiguous_stride, local_shape
 
 try:  # FSDP2's own constructor: no autograd, no argument checks (10x cheaper than from_local)
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
@@ -138,6 +139,50 @@ class ShardedParam:
     def local(self) -> torch.Tensor:
         """This rank's shard: the sharded DTensor's local tensor (a view of the flat buffer)."""
         return self.sharded._local_tensor  # type: ignore[attr-defined,no-any-return]
+
+    # -- the DTensor boundary: values coming in from state dicts, optimizer state going out ----
+    def shard_of(self, value: Any, key: str) -> torch.Tensor:
+        """This rank's rows of a loaded ``value`` for this parameter: a DTensor (same layout:
+        taken as is; any other placement or mesh: redistributed), a full tensor (this rank
+        keeps its rows) or a tensor that already has this rank's shard shape."""
+        world, rank = self.mesh.world_size, self.mesh.rank
+        want = local_shape(self.shape, world, rank)
+        if isinstance(value, DTensor):
+            if value.shape != self.shape:
+                raise FullshardError(
+                    f"rank {rank}: state dict entry '{key}' has shape {tuple(value.shape)}, the "
+                    f"model's parameter has {tuple(self.shape)}."
+                )
+            same = (
+                tuple(value.placements) == self.mesh.placements
+                and value.device_mesh.size() == world * self.mesh.replicate_size
+                and value.to_local().shape == want
+            )
+            if same:
+                return value.to_local()
+            return chunk_of(value.full_tensor(), world, rank)
+        if not isinstance(value, torch.Tensor):
+            raise FullshardError(
+                f"state dict entry '{key}' is a {type(value).__name__}, not a tensor."
+            )
+        if value.shape == self.shape:
+            return chunk_of(value, world, rank)
+        if value.shape == want:
+            return value
+        raise FullshardError(
+            f"rank {rank}: state dict entry '{key}' has shape {tuple(value.shape)}; expected the "
+            f"full shape {tuple(self.shape)} or this rank's shard {tuple(want)}."
+        )
+
+    def state_as_dtensor(self, value: Any) -> Any:
+        """Optimizer state of this parameter as a DTensor of its layout (state made by a torch
+        optimizer over DTensor parameters already is one; a plain shard-shaped tensor is
+        wrapped; anything else, e.g. a step count or factored state, is kept as it is)."""
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0:
+            return value
+        if value.shape != self.local.shape:
+            return value
+        return as_dtensor(value, self.sharded)
 
     def set_sharded_data(self, view: torch.Tensor) -> None:
         """Point the sharded parameter at ``view`` (this rank's rows in the flat buffer).
