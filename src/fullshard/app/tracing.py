@@ -82,7 +82,7 @@ def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device
         torch.set_num_threads(args.threads)
     model = build_model(args.model, 256, seed=0, device=device)
     n_params = count_params(model)
-    shard_model(model, args.strategy, unit_types_of(model), shard_size=args.shard_size)
+    plan = shard_model(model, args.strategy, unit_types_of(model), shard_size=args.shard_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     batches = [
@@ -120,6 +120,7 @@ def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device
         "model": args.model,
         "params": n_params,
         "world_size": world,
+        "plan": plan.summary(),
         "strategy": args.strategy,
         "steps": args.steps,
         "step_ms": 1e3 * statistics.median(r["step_s"] for r in per_rank),

@@ -157,7 +157,7 @@ def _train(
 
     from fullshard.app.wrap import clip_gradients, set_gradient_sync, shard_model
 
-    shard_model(
+    plan = shard_model(
         model,
         cfg.strategy,
         unit_types_of(model),
@@ -201,7 +201,7 @@ def _train(
             print(f"resumed from step {done} ({ckpt.resolve(resume or '')})", flush=True)
         print(
             f"fullshard train: {cfg.model} ({n_params / 1e6:.2f}M params), {world} ranks "
-            f"({info.backend}), {cfg.strategy}, {len(tokens):,} tokens "
+            f"({info.backend}), {plan.summary()}, {len(tokens):,} tokens "
             f"({len(train_tokens):,} train per rank), micro-batch {micro} x {cfg.seq_len}, "
             f"grad-accum {cfg.grad_accum} -> run folder {run_dir}",
             flush=True,

@@ -138,6 +138,15 @@ class ShardingPlan:
         is the only unit: then FULL_SHARD's memory promise needs it freed."""
         return None if len(self.units) > 1 else self.reshard_after_forward
 
+    def summary(self) -> str:
+        """One line for a log, e.g. ``full_shard over mesh (4,): 13 units (root + 12), freed
+        after forward``."""
+        kept = "freed after forward" if self.reshard_after_forward else "kept for backward"
+        return (
+            f"{self.strategy.value} over mesh {self.mesh_shape}: {len(self.units)} units "
+            f"(root + {len(self.units) - 1}), gathered parameters {kept}"
+        )
+
     def unit_modules(self, model: nn.Module) -> list[nn.Module]:
         """The non-root unit modules of ``model``, in plan order."""
         return [model.get_submodule(u.name) for u in self.units if not u.is_root]
