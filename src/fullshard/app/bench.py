@@ -62,7 +62,6 @@ from fullshard.app.bench_variants import (
 )
 from fullshard.app.launch import (
     add_device_arguments,
-    check_devices,
     forward_flags,
     init_distributed,
     launch_local,
@@ -469,12 +468,11 @@ def main_bench(args: argparse.Namespace) -> int:
     0 when every launch succeeded; 1 when one failed (what succeeded is still reported);
     2 for bad options.
     """
+    from fullshard.app.validate import validate_bench
+
     try:
-        variants = parse_variants(args.variants, args.nproc)
-        if min(args.nproc, args.batch_size, args.seq_len, args.rounds, args.threads) < 1:
-            raise ValueError("--nproc, --batch-size, --seq-len, --rounds, --threads must be >= 1")
+        variants = validate_bench(args)  # raises ConfigError, a ValueError
         _model_facts(args.model)
-        check_devices(args.device, args.backend, args.nproc)  # ConfigError is a ValueError
     except (ValueError, KeyError) as exc:
         print(f"fullshard bench: error: {exc}", file=sys.stderr)
         return 2

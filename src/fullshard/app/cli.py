@@ -1,8 +1,10 @@
 """The ``fullshard`` command: a thin argparse front end; each subcommand calls into a module.
 
-``fullshard train`` outside torchrun validates the config once (a bad input gives one clear
-message, not one per rank) and re-launches itself on ``--nproc`` local ranks; under torchrun
-(launched by us or by an external ``torchrun --nnodes ...``) it trains.
+Every command that launches ranks (``train``, ``trace``, ``bench``, ``plan --check``) first runs
+its one validation function (:mod:`fullshard.app.validate`): a bad input gives one clear message
+and status 2 before any rank starts, not a traceback per rank. ``fullshard train`` outside
+torchrun then re-launches itself on ``--nproc`` local ranks; under torchrun (launched by us or by
+an external ``torchrun --nnodes ...``) it trains.
 """
 
 from __future__ import annotations
@@ -12,13 +14,7 @@ import os
 import sys
 import time
 
-from fullshard.app.config import (
-    ConfigError,
-    add_train_arguments,
-    config_from_args,
-    to_flags,
-    validate,
-)
+from fullshard.app.config import ConfigError, add_train_arguments, config_from_args, to_flags
 from fullshard.policies import FullshardError
 
 __all__ = ["build_parser", "main"]
@@ -135,9 +131,10 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from fullshard.app.launch import launch_local, under_torchrun, world_size_from_env
+    from fullshard.app.validate import validate_train
 
     cfg = config_from_args(args)
-    validate(cfg, world_size_from_env(cfg.nproc))
+    validate_train(cfg, world_size_from_env(cfg.nproc))
     if not under_torchrun():
         if cfg.name is None:  # named here, so that restarted ranks find the same run folder
             cfg.name = time.strftime("%Y%m%d-%H%M%S")
@@ -153,7 +150,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from fullshard.app.launch import check_devices, forward_flags, launch_local, under_torchrun
+    from fullshard.app.launch import forward_flags, launch_local, under_torchrun
     from fullshard.app.plan_cli import add_plan_arguments, run
 
     if args.check:
@@ -161,14 +158,12 @@ def _plan(args: argparse.Namespace) -> int:
             add_check_arguments,
             check_json,
             check_rank,
-            check_target,
             format_check,
         )
+        from fullshard.app.validate import validate_plan_check
 
-        if args.model is None:
-            raise ConfigError("--check runs a model: give --model (model mode)")
+        validate_plan_check(args)
         if not under_torchrun():
-            check_devices(*check_target(args), args.devices, flag="--check-device")
             parser = argparse.ArgumentParser(allow_abbrev=False)
             add_plan_arguments(parser)
             add_check_arguments(parser)
@@ -185,17 +180,35 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from fullshard.app.launch import check_devices, forward_flags, launch_local, under_torchrun
+    from fullshard.app.launch import (
+        forward_flags,
+        launch_local,
+        under_torchrun,
+        world_size_from_env,
+    )
     from fullshard.app.tracing import add_trace_arguments, run_trace
+    from fullshard.app.validate import validate_trace
 
+    validate_trace(args, world_size_from_env(args.nproc))
     if not under_torchrun():
-        check_devices(args.device, args.backend, args.nproc)
         # Full-name flags without --nproc, which torchrun's parser would claim (see forward_flags)
         parser = argparse.ArgumentParser(allow_abbrev=False)
         add_trace_arguments(parser)
         return launch_local(args.nproc, ["trace", *forward_flags(parser, args, exclude=("nproc",))])
     run_trace(args)
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from fullshard.app.bench import main_bench, run_bench_rank
+    from fullshard.app.launch import under_torchrun
+
+    if under_torchrun():  # one of the launches main_bench makes, with options it checked
+        return run_bench_rank(args)
+    from fullshard.app.validate import validate_bench
+
+    validate_bench(args)
+    return main_bench(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,10 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "trace":
             return _trace(args)
         if args.command == "bench":
-            from fullshard.app.bench import main_bench, run_bench_rank
-            from fullshard.app.launch import under_torchrun
-
-            return run_bench_rank(args) if under_torchrun() else main_bench(args)
+            return _bench(args)
     except (ConfigError, FullshardError) as exc:
         # One line on stderr and status 2 (argparse's convention for usage errors), on every rank.
         print(f"fullshard {args.command}: error: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import os
 import sys
 import typing
@@ -29,6 +30,7 @@ __all__ = [
     "ConfigError",
     "TrainConfig",
     "add_train_arguments",
+    "check_model_spec",
     "config_from_args",
     "load_toml",
     "to_flags",
@@ -348,27 +350,36 @@ def hybrid_shard_size(cfg: TrainConfig, world_size: int) -> int:
     return default(world_size, cfg.shard_size)
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Raise :class:`ConfigError` for bad input. Pure: same answer on every rank."""
-    from fullshard.app.models import MODEL_SIZES, resolve_model_spec
+def check_model_spec(spec: str, flag: str = "--model") -> tuple[str, str]:
+    """``(kind, name)`` of a ``--model`` value (see ``resolve_model_spec``), or a
+    :class:`ConfigError` naming the flag: unknown names, a missing ``transformers``."""
+    from fullshard.app.models import resolve_model_spec
 
     try:
-        kind, name = resolve_model_spec(cfg.model)
+        kind, name = resolve_model_spec(spec)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(f"{flag}: {exc}") from None
     if kind == "hf":
         from fullshard.app.hf import HF_CONFIGS, require_transformers
 
         try:
             require_transformers()
         except ImportError as exc:
-            raise ConfigError(f"model {cfg.model!r}: {exc}") from None
+            raise ConfigError(f"{flag} {spec}: {exc}") from None
         if name not in HF_CONFIGS and not (Path(name) / "config.json").is_file():
             known = ", ".join(f"hf:{n}" for n in HF_CONFIGS)
             raise ConfigError(
-                f"unknown Hugging Face model {name!r}: use one of {known} or a local directory "
-                "with a config.json (nothing is downloaded)"
+                f"{flag}: unknown Hugging Face model {name!r}: use one of {known} or a local "
+                "directory with a config.json (nothing is downloaded)"
             )
+    return kind, name
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Raise :class:`ConfigError` for bad input. Pure: same answer on every rank."""
+    from fullshard.app.models import MODEL_SIZES
+
+    kind, name = check_model_spec(cfg.model)
     if cfg.data is not None and not Path(cfg.data).exists():
         raise ConfigError(
             f"data path {cfg.data!r} does not exist: give a text file or a folder of text files "
@@ -400,8 +411,15 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(cfg, key)}")
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
+    for key in ("lr", "timeout", "clip", "weight_decay", "temperature", "beta1", "beta2"):
+        if not math.isfinite(getattr(cfg, key)):  # argparse's float() takes "nan" and "inf"
+            raise ConfigError(f"--{key.replace('_', '-')} must be a finite number")
     if cfg.lr <= 0 or cfg.timeout <= 0 or cfg.clip < 0 or cfg.weight_decay < 0:
         raise ConfigError("--lr and --timeout must be positive, --clip and --weight-decay >= 0")
+    if not (0.0 <= cfg.beta1 < 1.0 and 0.0 <= cfg.beta2 < 1.0):
+        raise ConfigError(
+            f"AdamW's --beta1 and --beta2 must be in [0, 1), got {cfg.beta1} and {cfg.beta2}"
+        )
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
     per_step = world_size * cfg.grad_accum

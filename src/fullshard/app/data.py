@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
+from fullshard.app.config import ConfigError
+
 __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
@@ -36,6 +38,8 @@ __all__ = [
     "eval_batches",
     "load_text",
     "split_for_rank",
+    "split_sizes",
+    "windows",
 ]
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
@@ -121,14 +125,33 @@ def load_text(path: str | None) -> str:
     raise FileNotFoundError(f"data path {path} does not exist: give a text file or a folder")
 
 
+def _held_out(n_blocks: int, val_fraction: float) -> list[bool]:
+    # Block b is held out when the running count floor(b * f) steps up: evenly spaced, and
+    # exactly floor(n_blocks * f) blocks in all.
+    return [int((b + 1) * val_fraction) > int(b * val_fraction) for b in range(n_blocks)]
+
+
+def split_sizes(n_tokens: int, world_size: int, val_fraction: float) -> tuple[int, int]:
+    """Tokens per rank of (train, validation) that :func:`split_for_rank` gives a stream of
+    ``n_tokens``: the split's arithmetic alone, for checking a corpus before any rank starts."""
+    n_blocks = max(1, -(-n_tokens // VAL_BLOCK))
+    sizes = [VAL_BLOCK] * (n_blocks - 1) + [n_tokens - VAL_BLOCK * (n_blocks - 1)]
+    val = sum(n for n, v in zip(sizes, _held_out(n_blocks, val_fraction), strict=True) if v)
+    return (n_tokens - val) // world_size, val // world_size
+
+
+def windows(n_tokens: int, seq_len: int) -> int:
+    """Training windows of ``seq_len + 1`` tokens per epoch in a slice of ``n_tokens`` (the
+    random start offset can cost one window, so counted without it)."""
+    return max(0, (n_tokens - seq_len) // (seq_len + 1))
+
+
 def split_for_rank(
     tokens: torch.Tensor, rank: int, world_size: int, val_fraction: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's disjoint (train, validation) slices of the token stream (see module doc)."""
     blocks = list(torch.split(tokens, VAL_BLOCK))
-    # Block b is held out when the running count floor(b * f) steps up: evenly spaced, and
-    # exactly floor(n_blocks * f) blocks in all.
-    is_val = [int((b + 1) * val_fraction) > int(b * val_fraction) for b in range(len(blocks))]
+    is_val = _held_out(len(blocks), val_fraction)
     train = torch.cat([blk for blk, v in zip(blocks, is_val, strict=True) if not v] or [tokens[:0]])
     val = torch.cat([blk for blk, v in zip(blocks, is_val, strict=True) if v] or [tokens[:0]])
     tr, va = len(train) // world_size, len(val) // world_size
@@ -151,7 +174,7 @@ class RankBatches:
         self.seed, self.rank = seed, rank
         self.epoch, self.cursor, self.batches_drawn = 0, 0, 0
         if self.windows_per_epoch() < batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"rank {rank}'s training slice has {len(tokens)} tokens: fewer than one batch of "
                 f"{batch_size} x {seq_len + 1}. Use more text, fewer ranks, or a smaller "
                 "--batch-size/--seq-len."
@@ -159,8 +182,8 @@ class RankBatches:
         self._order = self._epoch_order()
 
     def windows_per_epoch(self) -> int:
-        """Windows per epoch (the random offset can cost one window, so count without it)."""
-        return (len(self.tokens) - self.seq_len) // (self.seq_len + 1)
+        """Windows per epoch (see :func:`windows`)."""
+        return windows(len(self.tokens), self.seq_len)
 
     def _epoch_order(self) -> torch.Tensor:
         # Seed mixes epoch and rank so that each (rank, epoch) pair gets its own stream.

@@ -29,7 +29,14 @@ from fullshard.plan import PlanConfig
 from fullshard.policies import MEMORY_CATEGORIES as CATEGORIES
 from fullshard.policies import STEP_PHASES as PHASES
 
-__all__ = ["add_check_arguments", "check_json", "check_rank", "check_target", "format_check"]
+__all__ = [
+    "add_check_arguments",
+    "check_config",
+    "check_json",
+    "check_rank",
+    "check_target",
+    "format_check",
+]
 
 MIB = 2**20
 
@@ -67,6 +74,19 @@ def check_target(args: argparse.Namespace) -> tuple[str, str]:
     return args.check_device, args.backend if device_type == "cuda" else "gloo"
 
 
+def check_config(args: argparse.Namespace, backend: str | None = None) -> PlanConfig:
+    """The plan the check compares with: fp32, the planned strategy, batch and sequence."""
+    return PlanConfig(
+        strategy=args.strategy,
+        hybrid_group=args.hybrid_group,
+        devices_per_node=args.devices_per_node,
+        precision="fp32",
+        backend=backend or args.backend,
+        batch=args.batch,
+        seq=args.seq or 128,
+    )
+
+
 def check_rank(args: argparse.Namespace) -> dict[str, Any]:
     """One rank of the check (under torchrun); returns predicted and measured figures."""
     device, backend = check_target(args)
@@ -78,14 +98,7 @@ def _check(
     args: argparse.Namespace, rank: int, world: int, device: torch.device, backend: str
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
-    config = PlanConfig(
-        strategy=args.strategy,
-        hybrid_group=args.hybrid_group,
-        precision="fp32",
-        backend=backend,
-        batch=args.batch,
-        seq=args.seq or 128,
-    )
+    config = check_config(args, backend)
     plan = plan_builtin(args.model, world, config, with_recommendation=False)
     rss0 = _rss_mib()
     model = build_model(args.model, 256, seed=0, device=device)

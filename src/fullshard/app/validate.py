@@ -1,0 +1,273 @@
+"""One validation step per command, before any rank starts.
+
+A bad input must give one clear message and exit status 2, not a traceback from every rank behind
+torchrun's ``ChildFailedError``. Each command that launches ranks has one function here, which
+``fullshard.app.cli`` calls before launching: :func:`validate_train`, :func:`validate_trace`,
+:func:`validate_bench` and :func:`validate_plan_check`. Each raises :class:`ConfigError` saying
+what is wrong, where (the flag or the file) and what to do.
+
+Everything here is cheap and touches no device: flag values, file sizes and folder listings, model
+configurations on paper. The only text ever read is a corpus already too small to train on by its
+file sizes (to count its tokens exactly), or the built-in corpus; nothing is tokenized but bytes.
+So the verdict is the same in the launcher and on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+from fullshard.app.config import ConfigError, TrainConfig, check_model_spec, validate
+from fullshard.policies import FullshardError
+
+__all__ = [
+    "model_context",
+    "validate_bench",
+    "validate_plan_check",
+    "validate_trace",
+    "validate_train",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# shared checks
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _at_least(args: object, minimum: int, *dests: str) -> None:
+    for dest in dests:
+        value = getattr(args, dest)
+        if value < minimum:
+            raise ConfigError(f"{_flag(dest)} must be at least {minimum}, got {value}")
+
+
+def _positive_seconds(value: float, flag: str) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{flag} must be a positive number of seconds, got {value}")
+
+
+def _local_ranks(default: int) -> int:
+    """Ranks on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else what we are about to launch."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
+def model_context(kind: str, name: str) -> int | None:
+    """The longest sequence a ``--model`` accepts, read from its configuration (no model is
+    built); ``None`` when the configuration does not say."""
+    if kind == "gpt":
+        from fullshard.app.models import MODEL_SIZES
+
+        return MODEL_SIZES[name].max_seq_len
+    from fullshard.app.hf import HF_CONFIGS
+
+    if name in HF_CONFIGS:
+        config = HF_CONFIGS[name][1]
+    else:
+        path = Path(name) / "config.json"
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--model: cannot read {path} as JSON ({exc})") from None
+    for key in ("max_position_embeddings", "n_positions"):
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _model_and_length(spec: str, seq_len: int, seq_flag: str) -> None:
+    """``--model`` names a model we can build, and ``seq_len`` fits its context."""
+    kind, name = check_model_spec(spec)
+    context = model_context(kind, name)
+    if context is not None and seq_len > context:
+        raise ConfigError(
+            f"{seq_flag} {seq_len} exceeds the {context}-token context of model {spec!r}: "
+            f"use {seq_flag} {context} or less, or a model with a longer context"
+        )
+
+
+def _writable_folder(path: str | Path, flag: str) -> None:
+    """``path`` is a folder, or can be made one: no file stands in the way, and the nearest
+    existing folder is writable."""
+    p = Path(path)
+    for q in (p, *p.parents):
+        if not q.exists():
+            continue
+        if not q.is_dir():
+            where = "is a file" if q == p else f"lies under {q}, which is a file"
+            raise ConfigError(f"{flag} {path} {where}: give a folder (it is created if missing)")
+        if not os.access(q, os.W_OK | os.X_OK):
+            raise ConfigError(f"{flag} {path}: {q} is not writable: give a folder you can write")
+        return
+
+
+# ----------------------------------------------------------------------------------------------
+# train
+
+
+def validate_train(cfg: TrainConfig, world_size: int) -> None:
+    """Every check of ``fullshard train`` (``world_size``: the ranks the run will have)."""
+    validate(cfg, world_size)  # flags and their combinations; the model; devices
+    _model_and_length(cfg.model, cfg.seq_len, "--seq-len")
+    run_dir = Path(cfg.runs_dir) / cfg.name if cfg.name else Path(cfg.runs_dir)
+    _writable_folder(run_dir, "--runs-dir/--name" if cfg.name else "--runs-dir")
+    if cfg.checkpoint_dir is not None:
+        _writable_folder(cfg.checkpoint_dir, "--checkpoint-dir")
+    _check_resume(cfg)
+    _check_data(cfg, world_size)
+
+
+def _check_resume(cfg: TrainConfig) -> None:
+    """``--resume`` names a committed checkpoint that exists now.
+
+    ``latest`` is the newest under the run's checkpoint folder. A folder without one is an error
+    rather than a fresh start: a typo in ``--name`` would otherwise silently train from scratch.
+    (A run that torchrun restarts resumes from its latest checkpoint without ``--resume``, and
+    starts fresh when it has none; see the trainer.)
+    """
+    if cfg.resume is None:
+        return
+    from fullshard.checkpoint.store import MANIFEST, latest_checkpoint
+
+    fresh = "to start a new run instead, drop --resume"
+    if cfg.resume != "latest":
+        path = cfg.resume
+        if not os.path.isfile(os.path.join(path, MANIFEST)) and latest_checkpoint(path) is None:
+            raise ConfigError(
+                f"--resume {path}: not a committed checkpoint (no {MANIFEST}) nor a folder "
+                f"holding one (step_N/): give a checkpoint folder, or 'latest'; {fresh}"
+            )
+        return
+    if cfg.checkpoint_dir is None and cfg.name is None:
+        raise ConfigError(
+            "--resume latest continues a named run, but no --name was given (a run without one "
+            "gets a new, empty folder): give the --name of the run to continue, or its "
+            f"--checkpoint-dir; {fresh}"
+        )
+    folder = cfg.checkpoint_dir or str(Path(cfg.runs_dir) / str(cfg.name) / "checkpoints")
+    if latest_checkpoint(folder) is None:
+        raise ConfigError(
+            f"--resume latest: {folder} holds no committed checkpoint (check --name, --runs-dir "
+            f"or --checkpoint-dir: they must be those of the run to continue); {fresh}"
+        )
+
+
+def _text_files(path: str) -> list[Path]:
+    """The files ``load_text`` would read for ``--data path``."""
+    from fullshard.app.data import TEXT_SUFFIXES
+
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise ConfigError(f"--data {path} is neither a file nor a folder: give a text file")
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+    if not files:
+        raise ConfigError(
+            f"--data {path}: the folder holds no text files ({', '.join(TEXT_SUFFIXES)}): "
+            "add some, or give a text file"
+        )
+    return files
+
+
+def _check_data(cfg: TrainConfig, world_size: int) -> None:
+    """The corpus is not empty, and (byte tokens) gives every rank one training micro-batch."""
+    from fullshard.app.data import default_corpus, load_text, split_sizes, windows
+
+    source = f"--data {cfg.data}" if cfg.data else "--data (default: the built-in corpus)"
+    size = 0
+    if cfg.data is not None:
+        files = _text_files(cfg.data)
+        size = sum(f.stat().st_size for f in files)
+        if size == 0:
+            what = "the file is empty" if len(files) == 1 else f"all {len(files)} files are empty"
+            raise ConfigError(f"{source}: {what}: give text to train on")
+    if cfg.tokenizer != "byte":
+        return  # counting other tokens means tokenizing the corpus: the ranks check it
+    micro = cfg.micro_batch(world_size)
+    need = micro * (cfg.seq_len + 1) + cfg.seq_len  # training tokens per rank for one batch
+
+    def enough(n_tokens: int) -> bool:
+        return windows(split_sizes(n_tokens, world_size, cfg.val_fraction)[0], cfg.seq_len) >= micro
+
+    # Bytes on disk are at least twice the tokens (only "\r\n" -> "\n" shrinks text): a corpus
+    # large enough by its sizes is not read here.
+    if cfg.data is not None and enough(size // 2):
+        return
+    text = load_text(cfg.data) if cfg.data is not None else default_corpus()
+    n = len(text.encode("utf-8"))
+    if not enough(n):
+        train = split_sizes(n, world_size, cfg.val_fraction)[0]
+        raise ConfigError(
+            f"{source}: {n:,} tokens are too few for one training batch: after --val-fraction "
+            f"{cfg.val_fraction} is held out, each of {world_size} ranks gets {train:,} training "
+            f"tokens, and one micro-batch of {micro} sequences of --seq-len {cfg.seq_len} needs "
+            f"{need:,}. Give more text, or a smaller --batch-size, --seq-len or --nproc"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# trace, bench, plan --check
+
+
+def validate_trace(args: argparse.Namespace, world_size: int) -> None:
+    """Every check of ``fullshard trace`` (``world_size``: the ranks it will have)."""
+    _at_least(args, 1, "nproc", "batch_size", "seq_len", "steps", "threads")
+    _at_least(args, 0, "warmup", "shard_size")
+    _positive_seconds(args.timeout, "--timeout")
+    _model_and_length(args.model, args.seq_len, "--seq-len")
+    if args.strategy.startswith("hybrid"):
+        from fullshard.engine.sharding import hybrid_shard_size
+
+        try:  # the size the ranks will choose (the engine's default when --shard-size is 0)
+            hybrid_shard_size(world_size, args.shard_size, _local_ranks(world_size))
+        except FullshardError as exc:
+            raise ConfigError(f"--strategy {args.strategy}: {exc}") from None
+    _writable_folder(args.out, "--out")
+    from fullshard.app.launch import check_devices
+
+    check_devices(args.device, args.backend, _local_ranks(world_size))
+
+
+def validate_bench(args: argparse.Namespace) -> list[str]:
+    """Every check of ``fullshard bench`` (outside torchrun); returns the variants to run."""
+    from fullshard.app.bench_variants import parse_variants
+
+    _at_least(args, 1, "nproc", "batch_size", "seq_len", "rounds", "threads", "memory_steps")
+    _at_least(args, 0, "warmup")
+    try:
+        variants = parse_variants(args.variants, args.nproc)
+    except ValueError as exc:
+        raise ConfigError(f"--variants {args.variants}: {exc}") from None
+    _positive_seconds(args.timeout, "--timeout")
+    _model_and_length(args.model, args.seq_len, "--seq-len")
+    _writable_folder(args.out, "--out")
+    from fullshard.app.launch import check_devices
+
+    check_devices(args.device, args.backend, args.nproc)
+    return variants
+
+
+def validate_plan_check(args: argparse.Namespace) -> None:
+    """Every check of ``fullshard plan --check``: the plan it compares with, and the run."""
+    if args.model is None:
+        raise ConfigError("--check runs a model: give --model (model mode)")
+    _at_least(args, 1, "devices", "batch", "check_steps", "devices_per_node")
+    if args.seq is not None:
+        _at_least(args, 1, "seq")
+    _model_and_length(args.model, args.seq or 128, "--seq")
+    from fullshard.app.plan_check import check_config, check_target
+
+    try:
+        check_config(args).shard_group(args.devices)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    from fullshard.app.launch import check_devices
+
+    check_devices(*check_target(args), args.devices, flag="--check-device")
