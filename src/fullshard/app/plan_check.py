@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 from typing import Any
 
 import torch
@@ -24,9 +23,12 @@ from fullshard.app.launch import rank_session, resolve_backend
 from fullshard.app.models import build_model, unit_types_of
 from fullshard.app.wrap import shard_model
 from fullshard.dist import control
-from fullshard.observe.memory import CATEGORIES, PHASES, MemoryTracker
+from fullshard.observe.memory import MemoryTracker
 from fullshard.observe.plan import PlanConfig
 from fullshard.observe.plan_model import plan_model
+from fullshard.observe.rss import rss_bytes
+from fullshard.policies import MEMORY_CATEGORIES as CATEGORIES
+from fullshard.policies import STEP_PHASES as PHASES
 
 __all__ = ["add_check_arguments", "check_json", "check_rank", "check_target", "format_check"]
 
@@ -34,8 +36,7 @@ MIB = 2**20
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / MIB
+    return rss_bytes() / MIB
 
 
 def add_check_arguments(plan: argparse.ArgumentParser) -> None:
