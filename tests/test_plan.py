@@ -87,9 +87,10 @@ def test_activation_checkpointing_keeps_layer_inputs() -> None:
     )  # fmt: skip
     per_layer = 1024 * 2 * 4096 * (34 + 5 * 32 * 1024 / 4096)  # Korthikanti, 16-bit
     assert full.phases["forward"].activations == pytest.approx(32 * per_layer)
-    # inputs of every layer (2 s b h bytes) + one layer rebuilt during its recomputation
-    expected = 32 * 2 * 1024 * 2 * 4096 + per_layer
-    assert ckpt.phases["forward"].activations == pytest.approx(expected)
+    # forward keeps the inputs of every layer (2 s b h bytes); backward rebuilds one layer
+    inputs = 32 * 2 * 1024 * 2 * 4096
+    assert ckpt.phases["forward"].activations == pytest.approx(inputs)
+    assert ckpt.phases["backward"].activations == pytest.approx(inputs + per_layer)
 
 
 # -- model mode: exactly what the engine would shard -------------------------------------------
@@ -156,10 +157,16 @@ def test_measured_activations_match_a_real_forward() -> None:
 
     idx = torch.zeros(2, 33, dtype=torch.long)  # 32 tokens in, 32 targets
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = lm_loss(model, idx)
-    assert sum(a for a, _ in acts.values()) == sum(saved.values())
+        logits = model(idx[:, :-1])
+        model_bytes = sum(saved.values())
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), idx[:, 1:].reshape(-1))
+    assert sum(a for a, *_ in acts.values()) == sum(saved.values())
     del loss
-    assert all(inp == 2 * 32 * 64 * 4 for _, inp in list(acts.values())[1:])  # block inputs
+    assert all(inp == 2 * 32 * 64 * 4 for _, inp, *_ in list(acts.values())[1:])  # block inputs
+    root_saved, _, tail, loss_bytes = acts[0]
+    assert loss_bytes == sum(saved.values()) - model_bytes > 0  # what the loss saves
+    assert loss_bytes < tail < root_saved  # the head's saves too, but not the embedding's
+    assert all(t == 0 and lb == 0 for _, _, t, lb in list(acts.values())[1:])
 
 
 def test_phase_totals_order_strategies_by_memory() -> None:

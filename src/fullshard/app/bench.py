@@ -262,34 +262,6 @@ def _time_all(args: argparse.Namespace, rank: int, world: int, device: torch.dev
 # one rank: memory
 
 
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS; False where unsupported."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def _peak_rss_bytes() -> int:
-    hwm = _proc_status_kib("VmHWM")
-    if hwm is not None:
-        return hwm * 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def _prime() -> None:
     """Touch the kernels and thread pools every variant uses, before the memory baseline, so
     one-time library state is not charged to whichever variant runs first."""
@@ -299,53 +271,32 @@ def _prime() -> None:
     opt.step()
 
 
-def _live_peak(prof: Any, marker: str) -> int | None:
-    """Peak live tensor bytes after ``marker`` began, from the profiler's allocator events.
-
-    The running sum starts at the profiler's start (nothing of the run was alive before it), so
-    the peak is absolute: parameters, gradients, optimizer state, activations, buffers.
-    """
-    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if results is None:
-        return None
-    events = results.events()
-    start = min((e.start_ns() for e in events if e.name() == marker), default=None)
-    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    if start is None or not mem:
-        return None
-    live = peak = 0
-    for t, nbytes in mem:
-        live += nbytes
-        if t >= start:
-            peak = max(peak, live)
-    return peak
-
-
 def _memory_one(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:
     """The memory launch of one variant: RSS pass, then live-storage (and tracker) pass."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from fullshard.observe.memory import MemoryTracker
+    from fullshard.observe.memory import MemoryTracker, profiler_live_peak
+    from fullshard.observe.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     name = parse_variants(args.variants, world)[0]
     steps = max(1, args.memory_steps)
     batches = make_batches(args.batch_size, args.seq_len, rank, steps, device)
     _prime()
     gc.collect()
-    baseline = (_proc_status_kib("VmRSS") or 0) * 1024
+    baseline = rss_bytes()
     v = build_variant(name, args.model, rank, world, device, args.mixed_precision)
     gc.collect()
     if device.type == "cuda":
         # The unsharded model built before wrapping is gone; so is its cached block.
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    reset = _reset_peak_rss()  # from here: training state and step transients only
+    reset = reset_peak_rss()  # from here: training state and step transients only
     for b in batches:
         bench_step(v, b)
         finish_step(device)
     out: dict[str, Any] = {
         "baseline_rss_bytes": baseline,
-        "rss_growth_bytes": _peak_rss_bytes() - baseline,
+        "rss_growth_bytes": peak_rss_bytes() - baseline,
         "rss_peak_reset": reset,
     }
     if device.type == "cuda":
@@ -364,7 +315,7 @@ def _memory_one(args: argparse.Namespace, rank: int, world: int, device: torch.d
                 if i == 0 and name in FULLSHARD_VARIANTS:
                     # attached after the first forward, which sets up the root's units
                     tracker = MemoryTracker().attach(v.model, v.opt)
-    out["live_peak_bytes"] = _live_peak(prof, marker)
+    out["live_peak_bytes"] = profiler_live_peak(prof, marker)
     if tracker is not None:
         tracker.detach()
         out["tracker_peaks"] = tracker.peaks

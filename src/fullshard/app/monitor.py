@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +10,7 @@ from typing import Any
 import torch
 
 from fullshard.dist import control
+from fullshard.observe.rss import rss_bytes  # the one resident-set reader
 
 __all__ = [
     "MetricsLog",
@@ -21,20 +20,6 @@ __all__ = [
     "plot_losses",
     "rss_bytes",
 ]
-
-
-def rss_bytes() -> int:
-    """This process's current resident set size in bytes.
-
-    Reads ``/proc/self/statm`` (current, Linux); elsewhere falls back to the peak from
-    ``getrusage`` (kilobytes on Linux, bytes on macOS).
-    """
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if os.uname().sysname == "Darwin" else peak * 1024
 
 
 def gather_memory(device: torch.device) -> dict[str, list[float]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from fullshard.app.plan_cli import plan_builtin
 from fullshard.app.wrap import shard_model
 from fullshard.dist import control
 from fullshard.observe.memory import MemoryTracker
+from fullshard.observe.rss import rss_bytes
 from fullshard.plan import PlanConfig
 from fullshard.policies import MEMORY_CATEGORIES as CATEGORIES
 from fullshard.policies import STEP_PHASES as PHASES
@@ -42,8 +42,7 @@ MIB = 2**20
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / MIB
+    return rss_bytes() / MIB
 
 
 def add_check_arguments(plan: argparse.ArgumentParser) -> None:

@@ -1,25 +1,55 @@
 """Live memory by category and its peak per phase (layer 10), for one rank.
 
-Categories (bytes, each storage counted once):
+The categories are :data:`fullshard.policies.MEMORY_CATEGORIES`, the phases
+:data:`fullshard.policies.STEP_PHASES` (the planner's vocabulary):
 
 - ``sharded_params``: every unit's flat shard buffer (what the rank owns at rest);
 - ``gathered_window``: gathered storages currently allocated (the window of NOTE [Gathered
-  window] plus units kept by ``reshard_after_forward=False``);
-- ``gradients``: full local gradients not yet reduce-scattered, plus the sharded ``.grad``s;
+  window] plus units kept by ``reshard_after_forward=False``), and the rows a unit keeps for
+  backward over a smaller group (NOTE [Resharding to a smaller group]);
+- ``gradients``: full local gradients not yet reduce-scattered (kept without sync included),
+  the sharded ``.grad``s, and an HSDP sum kept without all-reduce;
 - ``optimizer_state``: every tensor in the optimizer's state;
-- ``activations``: storages of tensors saved for backward by the current forward (parameters
-  excluded), found with ``saved_tensors_hooks``; a storage counts while autograd still holds a
-  tensor saved on it, so backward's progressive release shows;
-- ``comm_buffers``: all-gather outputs waiting for copy-out and reduce-scatter inputs/outputs in
-  flight.
+- ``activations``: storages of tensors saved for backward by the current forward, found with
+  ``saved_tensors_hooks``; a storage counts while autograd still holds a tensor saved on it, so
+  backward's progressive release shows;
+- ``comm_buffers``: all-gather inputs and outputs in flight (on CUDA also the forward output
+  held one unit longer, NOTE [Streams and buffer lifetimes]) and reduce-scatter inputs, outputs
+  and receive buffers in flight.
+
+NOTE [Counting each storage once]
+A sample counts *storages*, never tensors, and each storage once across every category, so the
+total is bytes that really exist. A storage is known by its ``StorageImpl`` (``_cdata``), which
+survives ``resize_``: gathering resizes a unit's storage to a new address, so an address
+(``data_ptr``) would make a gathered block and the weights that forward saved on it two
+storages. Categories are filled in a fixed order and a storage goes to the first that holds it:
+parameters before activations (forward saves views of the gathered weights, or of the shards
+when a unit is not sharded), gradients before communication buffers (the sharded ``.grad`` is a
+view of the reduce-scatter's output), so saved weights are never activations and a buffer that
+became a gradient is a gradient.
 
 Samples are taken at the schedule's points (each unit's forward/backward start and end, every
 free) and around the optimizer step: a handful of sums over the units, cheap enough to leave on.
+
+NOTE [The loss's activations]
+The loss runs after the root's forward and before any backward point, and what it saves (a
+language model's log-softmax over the vocabulary: often the largest single activation) is freed
+by its own backward node before the root's backward starts. So the saved-tensor hooks stay on
+after the root's forward, and each tensor saved until the next schedule point takes a "forward"
+sample of its own. They are switched off before the optimizer step, at the next forward or at
+``detach``, never from inside backward: autograd runs backward under a copy of the caller's
+thread-local state (these hooks included) and restores it afterwards, so hooks popped there
+would come back. (They stay on through backward, so activation checkpointing's recomputed
+tensors count as activations too.)
+:func:`profiler_live_peak` gives what the tracker's total is checked against: the peak of every
+live tensor storage, from the profiler's allocator events.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -29,86 +59,123 @@ from fullshard.engine.param import local_of
 from fullshard.engine.schedule import Point, StepSchedule
 from fullshard.engine.sharding import step_schedule, subscribe
 from fullshard.engine.unit import CommUnit
+from fullshard.policies import MEMORY_CATEGORIES, STEP_PHASES
 
-CATEGORIES = (
-    "sharded_params",
-    "gathered_window",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "comm_buffers",
-)
-PHASES = ("forward", "backward", "optimizer")
+__all__ = ["MemoryTracker", "profiler_live_peak"]
 
 
-def _unique_bytes(tensors: Any) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        t = local_of(t)  # sharded gradients and optimizer state: the rank's own bytes
-        if isinstance(t, torch.Tensor) and t.numel() > 0:
+class _Ledger:
+    """One sample's storages (NOTE [Counting each storage once])."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def take(self, tensors: Iterable[Any]) -> int:
+        """Bytes of the storages under ``tensors`` that no earlier call has counted."""
+        total = 0
+        for t in tensors:
+            t = local_of(t)  # sharded gradients and optimizer state: the rank's own bytes
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+            key = storage._cdata  # the StorageImpl: the same before and after resize_
+            if key not in self._seen:
+                self._seen.add(key)
+                total += storage.nbytes()
+        return total
+
+
+def _params(units: list[CommUnit]) -> Iterable[torch.Tensor]:
+    for u in units:
+        for g in u.groups:
+            yield g.flat
+        for p in u.params:
+            if p.sharded is not None:
+                yield p.sharded  # its shard: the flat buffer, unless _apply replaced it
+
+
+def _gathered(units: list[CommUnit]) -> Iterable[torch.Tensor | None]:
+    for u in units:
+        for g in u.groups:
+            yield g.storage.flat  # 0 bytes while freed; the shards themselves when aliased
+        yield u.post_forward_shard
+
+
+def _gradients(units: list[CommUnit]) -> Iterable[torch.Tensor | None]:
+    for u in units:
+        for p in u.trainable:
+            if p.unsharded is not None:
+                yield p.unsharded.grad
+            if p.sharded is not None:
+                yield p.sharded.grad
+                local = getattr(p.sharded, "_fullshard_local", None)  # NOTE [Local optimizer steps]
+                yield local.grad if local is not None else None
+        yield from u.accumulated.values()
+        yield u.partial_reduce
+
+
+def _comm(units: list[CommUnit]) -> Iterable[torch.Tensor | None]:
+    for u in units:
+        gather = u.gather_in_flight
+        if gather is not None:
+            yield gather.out
+            yield gather.send  # a cast copy of the shard (else the shard: counted already)
+        reduce = u.reduce_in_flight
+        if reduce is not None:
+            yield reduce.full
+            yield reduce.out
+            if reduce.pending is not None:
+                yield from reduce.pending.buffers
+        held = u.streams._held  # CUDA: the last forward all-gather's buffers, one unit longer
+        if held is not None:
+            yield from held[0]
 
 
 class MemoryTracker:
-    """Tracks :data:`CATEGORIES` for one sharded root; ``peaks[phase][category]`` in bytes."""
+    """Tracks :data:`~fullshard.policies.MEMORY_CATEGORIES` for one sharded root;
+    ``peaks[phase][category]`` (and ``peaks[phase]["total"]``) in bytes."""
 
     def __init__(self) -> None:
         self.peaks: dict[str, dict[str, int]] = {
-            p: dict.fromkeys((*CATEGORIES, "total"), 0) for p in PHASES
+            p: dict.fromkeys((*MEMORY_CATEGORIES, "total"), 0) for p in STEP_PHASES
         }
         self._schedule: StepSchedule | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         # weak references to the tensors saved for backward: a storage is live while autograd
         # still holds a tensor saved on it (backward releases them as it goes)
         self._saved: list[weakref.ref[torch.Tensor]] = []
-        self._param_storages: set[int] = set()
         self._handles: list[Any] = []
         self._saved_ctx: Any = None
+        self._ctx_thread = 0  # the thread whose (thread-local) saved-tensor hooks are on
+        self._after_forward = False  # between the root's forward and the next point
 
     # -- sampling --------------------------------------------------------------------------
     def current(self) -> dict[str, int]:
-        """Live bytes per category right now."""
+        """Live bytes per category right now, each storage counted once."""
         assert self._schedule is not None
         units = self._schedule.units
-        grads: list[torch.Tensor] = []
-        comm = 0
-        for u in units:
-            for p in u.trainable:
-                if p.unsharded is not None and p.unsharded.grad is not None:
-                    grads.append(p.unsharded.grad)
-                if p.sharded.grad is not None:
-                    grads.append(p.sharded.grad)
-            gather = u.gather_in_flight
-            if gather is not None and gather.out is not None:
-                comm += gather.out.numel() * gather.out.element_size()
-            if u.reduce_in_flight is not None:
-                inflight = u.reduce_in_flight
-                held = inflight.pending.buffers if inflight.pending is not None else []
-                comm += _unique_bytes([inflight.full, inflight.out, *held])
-        opt_state = 0
-        if self._optimizer is not None:
-            opt_state = _unique_bytes(
-                v for state in self._optimizer.state.values() for v in state.values()
-            )
-        return {
-            "sharded_params": sum(g.nbytes for u in units for g in u.groups),
-            "gathered_window": sum(
-                g.storage.nbytes
-                for u in units
-                for g in u.groups
-                if g.storage.allocated and not g.storage.aliased
-            ),
-            "gradients": _unique_bytes(grads),
-            "optimizer_state": opt_state,
-            "activations": self._live_activations(),
-            "comm_buffers": comm,
+        ledger = _Ledger()
+        # the order decides where a shared storage goes (NOTE [Counting each storage once])
+        now = {
+            "sharded_params": ledger.take(_params(units)),
+            "gathered_window": ledger.take(_gathered(units)),
+            "gradients": ledger.take(_gradients(units)),
+            "optimizer_state": ledger.take(self._optimizer_state()),
+            "comm_buffers": ledger.take(_comm(units)),
+            "activations": ledger.take(self._live_saved()),
         }
+        return {c: now[c] for c in MEMORY_CATEGORIES}
 
-    def _live_activations(self) -> int:
+    def _optimizer_state(self) -> Iterable[Any]:
+        if self._optimizer is None:
+            return []
+        return (v for state in self._optimizer.state.values() for v in state.values())
+
+    def _live_saved(self) -> list[torch.Tensor]:
         live = [t for t in (r() for r in self._saved) if t is not None]
-        return _unique_bytes(live)
+        if len(live) < len(self._saved):  # forget what autograd has released
+            self._saved = [weakref.ref(t) for t in live]
+        return live
 
     def sample(self, phase: str) -> dict[str, int]:
         now = self.current()
@@ -119,7 +186,20 @@ class MemoryTracker:
         return now
 
     # -- wiring ----------------------------------------------------------------------------
+    def _hooks_on(self) -> None:
+        self._hooks_off()
+        self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved_ctx.__enter__()
+        self._ctx_thread = threading.get_ident()
+
+    def _hooks_off(self) -> None:
+        if self._saved_ctx is not None and self._ctx_thread == threading.get_ident():
+            self._saved_ctx.__exit__(None, None, None)
+            self._saved_ctx = None
+        self._after_forward = False
+
     def _on_point(self, point: Point, unit: CommUnit) -> None:
+        self._after_forward = False  # NOTE [The loss's activations]
         if point is Point.FORWARD_START and unit is self._schedule.root:  # type: ignore[union-attr]
             self._saved.clear()
         if point is Point.BACKWARD_DONE:
@@ -130,38 +210,29 @@ class MemoryTracker:
         self.sample(phase)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self._param_storages:
-            self._saved.append(weakref.ref(t))
+        # every saved tensor, parameters too: a sample counts parameter storages first, so a
+        # saved weight adds nothing (NOTE [Counting each storage once])
+        self._saved.append(weakref.ref(t))
+        if self._after_forward:  # the loss (NOTE [The loss's activations])
+            self.sample("forward")
         return t
 
     def attach(
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     ) -> MemoryTracker:
         """Start tracking ``model`` (a sharded root, after its first forward) and its optimizer."""
-        schedule = step_schedule(model)
-        self._schedule = schedule
+        self._schedule = step_schedule(model)
         self._optimizer = optimizer
         self._handles = [subscribe(model, self._on_point)]
-        for g in (g for u in schedule.units for g in u.groups):
-            # parameters are not activations: they live in these storages
-            self._param_storages.add(g.storage.flat.untyped_storage().data_ptr())
-            self._param_storages.add(g.flat.untyped_storage().data_ptr())
 
         def enter(*_: Any) -> None:
-            self._param_storages |= {
-                g.storage.flat.untyped_storage().data_ptr()
-                for u in schedule.units
-                for g in u.groups
-            }
-            self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-            self._saved_ctx.__enter__()
+            self._hooks_on()
 
         def leave(*_: Any) -> None:
-            if self._saved_ctx is not None:
-                self._saved_ctx.__exit__(None, None, None)
-                self._saved_ctx = None
+            # keep the hooks on through the loss, unless no backward can follow
+            self._after_forward = torch.is_grad_enabled()
+            if not self._after_forward:
+                self._hooks_off()
 
         self._handles += [
             model.register_forward_pre_hook(enter),
@@ -170,6 +241,7 @@ class MemoryTracker:
         if optimizer is not None:
 
             def around_step(*_: Any) -> None:  # must return None: a value replaces step's args
+                self._hooks_off()
                 self.sample("optimizer")
 
             self._handles += [
@@ -179,12 +251,45 @@ class MemoryTracker:
         return self
 
     def detach(self) -> None:
+        self._hooks_off()
         self._schedule = None
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._saved.clear()
 
     def reset_peaks(self) -> None:
         for peak in self.peaks.values():
             for k in peak:
                 peak[k] = 0
+
+    @property
+    def peak_total(self) -> int:
+        """The largest total of any sample (bytes): the tracker's peak of the step(s)."""
+        return max(p["total"] for p in self.peaks.values())
+
+
+def profiler_live_peak(prof: Any, marker: str) -> int | None:
+    """Peak bytes of live tensor storage after the ``record_function(marker)`` range began,
+    from the allocator events of ``prof`` (a finished ``torch.profiler.profile`` with
+    ``profile_memory=True``); ``None`` when the profiler recorded no such events.
+
+    The running sum starts at the profiler's start, so the peak is absolute only when nothing
+    the run frees was allocated before it: start the profiler before building the model. It
+    counts every storage (parameters, gradients, optimizer state, activations, buffers,
+    temporaries), so :class:`MemoryTracker`'s total in the same range can only be smaller.
+    """
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None:
+        return None
+    events = results.events()
+    start = min((e.start_ns() for e in events if e.name() == marker), default=None)
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    if start is None or not mem:
+        return None
+    live = peak = 0
+    for t, nbytes in mem:
+        live += nbytes
+        if t >= start:
+            peak = max(peak, live)
+    return peak

@@ -116,7 +116,11 @@ class UnitCost:
     ``shard_numel`` is one rank's flat shard including padding (``FlatLayout.shard_numel``);
     ``grad_shard_numel`` the reduce-scatter output per rank (trainable shards + one presence
     column per trainable parameter, NOTE [Which gradients exist]). ``act_bytes``: what autograd
-    saves during the unit's forward; ``input_bytes``: what activation checkpointing keeps instead.
+    saves during the unit's forward; ``input_bytes``: what activation checkpointing keeps instead;
+    ``tail_bytes`` (the root): the part of ``act_bytes`` saved after the other units' forwards
+    started (a language model's head and loss), which exists only at the end of forward;
+    ``loss_bytes``: the part of that saved by the loss, which its own backward frees before any
+    unit's backward starts.
     """
 
     name: str
@@ -127,6 +131,8 @@ class UnitCost:
     act_bytes: float = 0.0
     input_bytes: float = 0.0
     is_root: bool = False
+    tail_bytes: float = 0.0
+    loss_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -352,28 +358,44 @@ def build_plan(
     static = shards + states
     root_gathered = sum(gathered(u) for u in root)
     by_size = sorted(blocks, key=gathered, reverse=True)
-    biggest_ag = max((ag_buffer(u) for u in units), default=0.0)
     acts = sum(act(u) for u in units)
-    # One checkpointed unit's activations are rebuilt during its backward (and its forward).
-    recompute = max((u.act_bytes for u in blocks), default=0.0) if ckpt else 0.0
 
-    # -- forward: the peak is at the end (all activations), with the window at its widest.
-    # The engine allocates a prefetched unit's gathered storage only when it is waited for:
-    # until then that unit is its all-gather buffer (comm_buffers), so the gathered window is
-    # the unit computing (and the root) while the next one is in flight.
-    if raf:
-        window_f = root_gathered + sum(gathered(u) for u in by_size[:1])
-    else:
-        window_f = root_gathered + sum(gathered(u) for u in blocks)
-    fwd = PhaseMemory(
-        "forward",
-        sharded_params=shards,
-        optimizer_state=states,
-        gathered_window=window_f,
-        activations=acts + recompute,
-        comm_buffers=biggest_ag,
-        total=static + window_f + acts + recompute + biggest_ag,
+    # -- forward: walked unit by unit, like backward. The engine allocates a prefetched unit's
+    # gathered storage only when it is waited for: until then that unit is its all-gather buffer
+    # (comm_buffers), so the gathered window is the unit computing (and the root) while the next
+    # one is in flight. Activations grow as units finish; the root's head and the loss add theirs
+    # at the end, when no block is gathered any more (under FULL_SHARD).
+    fpeak = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
+    ftotal = 0.0
+
+    def fvisit(**now: float) -> None:
+        nonlocal ftotal
+        for c in MEMORY_CATEGORIES:
+            fpeak[c] = max(fpeak[c], now.get(c, 0.0))
+        ftotal = max(ftotal, static + sum(now.values()))
+
+    done_acts = sum(act(u) - u.tail_bytes for u in root)
+    fvisit(
+        gathered_window=root_gathered,
+        activations=done_acts,
+        comm_buffers=ag_buffer(blocks[0]) if blocks else 0.0,
     )
+    for i, u in enumerate(blocks):
+        held = [u] if raf else blocks[: i + 1]
+        # (a checkpointed unit keeps only its input; its activations are rebuilt in backward)
+        fvisit(
+            gathered_window=root_gathered + sum(gathered(b) for b in held),
+            activations=done_acts + act(u),
+            comm_buffers=ag_buffer(blocks[i + 1]) if i + 1 < len(blocks) else 0.0,
+        )
+        done_acts += act(u)
+    fvisit(
+        gathered_window=root_gathered + (0.0 if raf else sum(gathered(b) for b in blocks)),
+        activations=done_acts + sum(u.tail_bytes for u in root),
+    )
+    window_f = fpeak["gathered_window"]
+    fpeak.update(sharded_params=shards, optimizer_state=states)
+    fwd = PhaseMemory("forward", **fpeak, total=ftotal)
 
     # -- backward: root first (its head), then blocks in reverse; walk and take the max.
     # Unsharded gradients count as "gradients" (as the memory tracker does) until reduced.
@@ -394,7 +416,7 @@ def build_plan(
     visit(
         gradients=root_grads,
         gathered_window=root_params + (gathered(last) if last else 0.0) if raf else window_f,
-        activations=acts + recompute,
+        activations=acts - sum(u.loss_bytes for u in units),
         comm_buffers=ag_buffer(last) if last and raf else 0.0,
     )
     remaining_acts = sum(act(u) for u in blocks)

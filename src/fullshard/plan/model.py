@@ -60,11 +60,12 @@ def model_units(
     model: nn.Module,
     unit_types: Sequence[type[nn.Module]],
     shard_group: int,
-    activations: dict[int, tuple[float, float]] | None = None,
+    activations: dict[int, tuple[float, float, float, float]] | None = None,
 ) -> list[UnitCost]:
     """The model's units with per-rank shard sizes (padding included) for ``shard_group`` ranks.
 
-    ``activations`` maps a unit index (0 = the root) to ``(saved bytes, input bytes)``.
+    ``activations`` maps a unit index (0 = the root) to what :func:`measure_activations`
+    returns for it: ``(saved bytes, input bytes, tail bytes, loss bytes)``.
     """
     out = []
     for i, unit in enumerate(_units(model, unit_types)):
@@ -74,7 +75,7 @@ def model_units(
         # the engine's layout: each rank's shard ends in the all-gather's position tags
         layout = FlatLayout(shapes, shard_group, tail=TAG_LEN if shard_group > 1 else 0)
         grad_layout = FlatLayout(trainable, shard_group)
-        act, inp = (activations or {}).get(i, (0.0, 0.0))
+        act, inp, tail, loss = (activations or {}).get(i, (0.0, 0.0, 0.0, 0.0))
         out.append(
             UnitCost(
                 name=unit.name or "root",
@@ -86,6 +87,8 @@ def model_units(
                 act_bytes=act,
                 input_bytes=inp,
                 is_root=unit.is_root,
+                tail_bytes=tail,
+                loss_bytes=loss,
             )
         )
     # (a root without parameters of its own stays as an empty unit: its activations count)
@@ -118,23 +121,29 @@ def measure_activations(
     batch: int,
     seq: int,
     dtype: torch.dtype,
-) -> dict[int, tuple[float, float]]:
+) -> dict[int, tuple[float, float, float, float]]:
     """Bytes autograd saves per unit for one forward + ``loss_step``, on fake tensors.
 
     ``loss_step(model, tokens)`` gets ``seq + 1`` token ids per sequence (a language model's
-    step predicts ``seq`` of them). Returns ``{unit index: (saved bytes, input bytes)}``; index
-    0 is the root. The model's own parameters are not touched: ``torch.func.functional_call``
+    step predicts ``seq`` of them). Returns ``{unit index: (saved bytes, input bytes, tail
+    bytes, loss bytes)}``; index 0 is the root, whose tail is what it saves after another
+    unit's forward started (a language model's head and its loss), and whose loss bytes are
+    what the loss saves after the model's forward returned (0 for the other units). The model's own parameters are not touched: ``torch.func.functional_call``
     swaps in fake ones of ``dtype``.
     """
     from torch.func import functional_call
 
     units = _units(model, unit_types)
     owner_of = {id(model.get_submodule(u.name)): i for i, u in enumerate(units) if i > 0}
-    saved: dict[int, tuple[object, float, int]] = {}
+    saved: dict[int, tuple[object, float, int, int]] = {}  # storage, bytes, unit, part
     inputs = dict.fromkeys(range(len(units)), 0.0)
     stack = [0]
+    # part of the step: 0 before any other unit started, 1 after (the root's tail), 2 after the
+    # model's forward returned (the loss)
+    part = [0]
 
     def pre(mod: nn.Module, args: tuple[object, ...]) -> None:
+        part[0] = max(part[0], 1)
         stack.append(owner_of[id(mod)])
         inputs[stack[-1]] += sum(
             a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)
@@ -143,7 +152,11 @@ def measure_activations(
     def post(mod: nn.Module, args: object, out: object) -> None:
         stack.pop()
 
+    def model_done(mod: nn.Module, args: object, out: object) -> None:
+        part[0] = 2
+
     handles = [m.register_forward_pre_hook(pre) for m in model.modules() if id(m) in owner_of]
+    handles.append(model.register_forward_hook(model_done))
     handles += [m.register_forward_hook(post) for m in model.modules() if id(m) in owner_of]
     try:
         with _fake_mode():
@@ -166,7 +179,8 @@ def measure_activations(
                 storage = t.untyped_storage()
                 if storage._cdata not in skip and storage._cdata not in saved:
                     # keep the storage object alive so its id is not reused while we count
-                    saved[storage._cdata] = (storage, float(storage.nbytes()), stack[-1])
+                    owner = stack[-1]
+                    saved[storage._cdata] = (storage, float(storage.nbytes()), owner, part[0])
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -176,10 +190,12 @@ def measure_activations(
     finally:
         for h in handles:
             h.remove()
-    acts = dict.fromkeys(range(len(units)), 0.0)
-    for _, nbytes, unit in saved.values():
-        acts[unit] += nbytes
-    return {i: (acts[i], inputs[i]) for i in range(len(units))}
+    out = {i: [0.0, inputs[i], 0.0, 0.0] for i in range(len(units))}
+    for _, nbytes, unit, when in saved.values():
+        out[unit][0] += nbytes
+        out[unit][2] += nbytes if unit == 0 and when >= 1 else 0.0
+        out[unit][3] += nbytes if when == 2 else 0.0
+    return {i: (a, b, c, d) for i, (a, b, c, d) in out.items()}
 
 
 def _shape_estimate(model: nn.Module, batch: int, seq: int, cb: int) -> tuple[float, int]:
@@ -226,7 +242,7 @@ def plan_model(
         per_layer, hidden = _shape_estimate(model, config.batch, config.seq, cb)
         # checkpointing keeps each block's input: batch * seq * hidden in the compute dtype
         inp = float(config.batch * config.seq * hidden * cb)
-        acts = {i: (per_layer, inp) for i in range(1, len(_units(model, unit_types)))}
+        acts = {i: (per_layer, inp, 0.0, 0.0) for i in range(1, len(_units(model, unit_types)))}
         notes.append(f"activations: Korthikanti estimate (fake-tensor forward failed: {exc})")
     label = name or type(model).__name__
     shape = shape or {"batch": config.batch, "seq": config.seq}
