@@ -15,7 +15,9 @@ BLOCKS = ["blocks.0", "blocks.1", "blocks.2"]
 FORWARD, BACKWARD = "forward gather", "backward gather"
 
 
-@pytest.mark.parametrize("fake_pg", [(0, 4), (3, 4), (1, 3)], indirect=True)
+@pytest.mark.parametrize(
+    "fake_pg", [(0, 4), (3, 4), (1, 3)], ids=["rank0of4", "rank3of4", "rank1of3"], indirect=True
+)
 def test_gathers_run_in_forward_order_then_in_reverse(fake_pg: tuple[int, int]) -> None:
     # the root keeps its parameters for backward (reshard_after_forward=None: False for the
     # root): it is gathered once per step, the blocks twice, the second time in reverse
