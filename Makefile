@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint fmt pytest clean
+.PHONY: demo test test-fast lint fmt pytest clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +27,10 @@ pytest: $(STAMP)
 	$(PY) -m pytest -q tests
 
 test: lint pytest
+
+# the single-process layer alone (tests/fast, seconds)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m fast tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -8,14 +8,22 @@ says which ranks never finished.
 
 Processes come from a ``forkserver`` that has imported torch once, so each rank starts in a
 fraction of a second instead of re-importing torch.
+
+``run_command(cmd, deadline_s=..., what=...)`` is the same deadline for a command line (the CLI,
+torchrun): past it the command and everything it launched are killed, and the test fails
+saying what hung and the last lines it printed. Tests bound time this way, never by asserting
+on a measured duration.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
 import queue
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -139,3 +147,40 @@ def run_ranks(
     import torch
 
     return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
+
+
+class CommandHung(AssertionError):
+    """A command did not finish before its deadline."""
+
+
+def run_command(
+    cmd: list[str],
+    *,
+    deadline_s: float,
+    what: str,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (output captured) and return its result; past ``deadline_s`` kill its whole
+    process group (torchrun's ranks included) and raise ``CommandHung`` naming ``what``."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,  # its own process group: one kill reaches every rank
+    )
+    try:
+        out, err = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):  # the group may be gone already
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        tail = "\n".join((out + err).splitlines()[-20:])
+        raise CommandHung(
+            f"{what} did not finish within {deadline_s:.0f}s (hung?): {' '.join(cmd)}\n"
+            f"--- last lines it printed ---\n{tail}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

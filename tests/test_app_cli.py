@@ -16,6 +16,9 @@ import torch
 
 from fullshard.app.config import load_toml
 
+# launches the CLI or torchrun as subprocesses: the top of the test pyramid
+pytestmark = pytest.mark.e2e
+
 # A short run on the default corpus: the tiny model, 40 steps, evaluated twice.
 BASE = [
     "--model", "tiny", "--max-steps", "40", "--seq-len", "64", "--batch-size", "16",

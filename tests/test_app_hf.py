@@ -62,6 +62,7 @@ def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
         build_hf_model(str(tmp_path / "nothing"), 256)
 
 
+@pytest.mark.e2e  # launches `fullshard train` through torchrun
 def test_train_cli_with_a_tiny_llama(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     args = [

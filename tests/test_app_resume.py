@@ -7,9 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_app_cli import records, run_train
+
+# launches the CLI or torchrun as subprocesses: the top of the test pyramid
+pytestmark = pytest.mark.e2e
 
 ARGS = [
     "--model", "tiny", "--max-steps", "12", "--seq-len", "64", "--batch-size", "16",

@@ -15,6 +15,9 @@ import pytest
 
 from fullshard.app.bench import add_bench_arguments, default_variants, main_bench, parse_variants
 
+# launches the CLI or torchrun as subprocesses: the top of the test pyramid
+pytestmark = pytest.mark.e2e
+
 MIB = 2**20
 
 

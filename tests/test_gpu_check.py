@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+# launches the CLI or torchrun as subprocesses: the top of the test pyramid
+pytestmark = pytest.mark.e2e
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 SCRIPT = SCRIPTS / "gpu_check.py"
 

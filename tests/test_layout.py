@@ -7,6 +7,8 @@ import torch
 
 from fullshard.shard.layout import FlatLayout, chunk_of, chunk_rows, local_rows
 
+pytestmark = pytest.mark.fast  # pure arithmetic, no process group
+
 
 @pytest.mark.parametrize("dim0,world", [(1, 4), (5, 4), (13, 2), (37, 3), (4 * 7 + 1, 4), (8, 8)])
 def test_chunks_match_torch_chunk_and_cover_every_row(dim0: int, world: int) -> None:

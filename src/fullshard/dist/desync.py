@@ -33,6 +33,15 @@ event has passed, at the next step's start (a loop that reads its loss has passe
 or, blocking, before a state dict is taken. On a GPU a desync is therefore reported at most a
 step later, with the same message, on every rank; the step's results were used, so the error
 says to restart from the last checkpoint.
+
+NOTE [Backends that move no data]
+torch's fake process group (backend ``"fake"``, ``torch.testing._internal.distributed.fake_pg``)
+lets one process play rank r of N: every collective "succeeds" without another rank. Its
+all-gather copies this rank's shard into every slot and its reduce-scatter returns this rank's
+block unsummed, so the tags compare a rank with itself (gather) or can never add up to N
+(reduce-scatter: each column is 0 or 1). There is no other rank to be out of step with, so
+``Verdict`` checks nothing on such a group; every backend that moves data is checked as always.
+The single-process tests (``tests/fast``) run the engine this way.
 """
 
 from __future__ import annotations
@@ -55,10 +64,16 @@ TAG_LEN = 5  # all-gather tail: magic, unit index (2 bytes), phase, sequence mod
 TAG_BITS = 8 * TAG_LEN  # reduce-scatter: the same bytes as bits
 UNREGISTERED = 0xFFFF  # a unit gathered before its root's first forward gave it an index
 MAX_EXACT_SUM = {torch.bfloat16: 256, torch.float16: 2048}  # ranks whose bit sums stay exact
+NO_DATA_BACKENDS = frozenset({"fake"})  # NOTE [Backends that move no data]
 
 
 class DesyncError(FullshardError):
     """Ranks disagree on the collective sequence; the message says which rank is where."""
+
+
+def moves_data(group: dist.ProcessGroup | None) -> bool:
+    """False for a group whose backend moves no data (NOTE [Backends that move no data])."""
+    return str(dist.get_backend(group)).lower() not in NO_DATA_BACKENDS
 
 
 def debug_enabled() -> bool:
@@ -218,6 +233,8 @@ class Verdict:
         self._add(_Item("sums", sums, pos, group, -1, world, params))
 
     def _add(self, item: _Item) -> None:
+        if not moves_data(item.group):
+            return  # NOTE [Backends that move no data]: nothing came from another rank
         if item.tensor.device.type == "cpu" and not self.defer_cpu:
             self._raise_if_bad(item, late=False)  # free to read: check before use
             return
