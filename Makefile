@@ -30,7 +30,7 @@ test: lint pytest
 
 # the single-process layer alone (tests/fast, seconds)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m fast tests
+	$(PY) -m pytest -q -m 'fast and not e2e' tests
 
 clean:
 	rm -rf $(VENV) runs

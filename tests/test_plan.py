@@ -28,6 +28,9 @@ from fullshard.shard.layout import FlatLayout
 
 GB = 1e9
 ROOT = Path(__file__).resolve().parents[1]
+# the planner is pure arithmetic over meta-device models: everything here is single-process and
+# fast, except the two tests that launch the CLI (marked e2e)
+pytestmark = pytest.mark.fast
 
 
 def gb(x: float, digits: int) -> float:
@@ -245,6 +248,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.e2e
 def test_cli_analytic_prints_the_ladder() -> None:
     out = run_cli("--params", "7.5e9", "--devices", "64")
     assert out.returncode == 0, out.stderr
@@ -284,6 +288,7 @@ def test_cli_help_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_.value.code == 2
 
 
+@pytest.mark.e2e
 def test_check_mode_measures_what_it_predicts_within_10_percent(tmp_path: Path) -> None:
     """``plan --check`` runs the model on 2 ranks: predicted peak vs the tracker's peak."""
     import json

@@ -60,6 +60,7 @@ def test_plan_units_are_the_units_fully_shard_makes() -> None:
         assert planned[""], f"{name}: the root owns what no unit module holds"
 
 
+@pytest.mark.fast
 def test_plan_describes_each_strategy() -> None:
     model = ToyLM()
     shapes = {}
@@ -79,6 +80,7 @@ def test_plan_describes_each_strategy() -> None:
     assert plan_sharding(model, "full_shard", (), 2).root_reshard_after_forward is True
 
 
+@pytest.mark.fast
 def test_plan_needs_no_process_group_and_no_memory() -> None:
     with torch.device("meta"):
         model = ToyLM(n_blocks=64)
@@ -86,6 +88,7 @@ def test_plan_needs_no_process_group_and_no_memory() -> None:
     assert plan.mesh_shape == (128, 8) and len(plan.units) == 65
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("world", "requested", "local", "size"),
     [(8, 0, 4, 4), (8, 0, 8, 4), (4, 0, 4, 2), (6, 3, 6, 3), (16, 0, 8, 8)],
@@ -94,6 +97,7 @@ def test_one_hybrid_default(world: int, requested: int, local: int, size: int) -
     assert hybrid_shard_size(world, requested, local) == size
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(("world", "requested"), [(2, 0), (3, 0), (4, 3), (4, 4)])
 def test_hybrid_sizes_that_cannot_work_say_what_to_do(world: int, requested: int) -> None:
     with pytest.raises(FullshardError, match="shard group size") as err:

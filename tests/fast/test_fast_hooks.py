@@ -99,8 +99,13 @@ def test_a_unit_whose_output_misses_the_loss_is_cleaned_up(fake_pg: tuple, keep:
         assert [u for k, u in kinds(events, "BACKWARD_START")] == ["used", "root", "trunk"]
         _ends_in_order(events, ["used", "trunk"])
         assert kinds(events, REDUCE) == [(REDUCE, "used"), (REDUCE, "trunk")]
-        # the end-of-backward callback frees what was kept for a backward that never came
+        # the end-of-backward callback frees what was kept for a backward that never came,
+        # and says so to observers
         assert events[-1].kind == "BACKWARD_DONE" and events[-1].gathered == frozenset()
+        frees = [u for k, u in kinds(events, "FREE")]
+        assert frees.count("unused") == 1
+        if keep:
+            assert events[-2].kind == "FREE" and events[-2].unit == "unused"
     assert all(p.grad is None for p in model.unused.parameters())
     assert all(p.grad is not None for p in model.used.parameters())
 

@@ -51,13 +51,9 @@ def test_forward_prefetch_gathers_the_listed_unit_while_the_setter_computes(
     assert max(window(e) for e in events) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a forward-prefetch list set before the root's first forward is applied by a hook "
-    "that runs after the unit's own pre-forward (engine/api.py _apply_pending_prefetch), so "
-    "the first forward does not prefetch; FSDP2 does",
-)
 def test_forward_prefetch_works_in_the_first_forward(fake_pg: tuple) -> None:
+    # a list set before the root's first forward is handed over when the root builds the
+    # schedule, so the first forward already prefetches (as FSDP2 does)
     first, _ = toy_steps(_model(backward=False), 2)
     assert _gather(first, "blocks.2", FORWARD) < index_of(first, "FORWARD_END", "blocks.0")
 

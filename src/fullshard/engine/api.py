@@ -182,20 +182,11 @@ class FSDPModule:
                     f"prefetch targets must be modules passed to fully_shard; got {type(m).__name__}"
                 )
         state = self._fullshard_state
-        self._pending_prefetch = getattr(self, "_pending_prefetch", {})
-        self._pending_prefetch[attr] = [m._fullshard_state.unit for m in modules]
-        _apply_pending_prefetch(state, self._pending_prefetch)
-
-
-def _apply_pending_prefetch(state: FSDPState, pending: dict[str, list[CommUnit]]) -> None:
-    # Explicit lists may be set before the root exists; they are applied once it does.
-    if state.schedule is None:
-        state.module.register_forward_pre_hook(
-            lambda *_: _apply_pending_prefetch(state, pending), prepend=False
-        )
-        return
-    for attr, units in pending.items():
-        getattr(state.schedule.prefetcher, attr)[state.unit] = units
+        # kept on the state: the root applies it when it builds the schedule (the first
+        # forward), so a list set before that already prefetches in the first forward
+        state.explicit_prefetch[attr] = [m._fullshard_state.unit for m in modules]
+        if state.schedule is not None:
+            state.apply_explicit_prefetch()
 
 
 @functools.cache

@@ -73,6 +73,8 @@ class FSDPState:
         self._events: tuple[int, list[int]] | None = None  # (graph task, [seen, expected])
         # id -> (fqn, weakref) of the original parameters, to catch ties across units
         self.originals: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
+        # FSDPModule.set_modules_to_{forward,backward}_prefetch: prefetcher attribute -> units
+        self.explicit_prefetch: dict[str, list[CommUnit]] = {}
         self._handles = []
         for m in modules:
             self._handles += [
@@ -116,7 +118,14 @@ class FSDPState:
             st.schedule = schedule
             raf = st.reshard_after_forward_arg
             st.unit.reshard_after_forward = (st is not self) if raf is None else raf
+            st.apply_explicit_prefetch()
         self.is_root = True
+
+    def apply_explicit_prefetch(self) -> None:
+        """Hand the ``set_modules_to_*_prefetch`` lists to the schedule's prefetcher."""
+        assert self.schedule is not None
+        for attr, units in self.explicit_prefetch.items():
+            getattr(self.schedule.prefetcher, attr)[self.unit] = units
 
     # -- forward --------------------------------------------------------------------------
     def pre_forward(

@@ -183,8 +183,9 @@ class StepSchedule:
         for unit in self.units:
             unit.sync_offloaded_grads()
             unit.post_forward_shard = None  # kept for a backward that has now passed
-            if unit.reshard_after_backward:
-                unit.reshard()
+            if unit.reshard_after_backward and unit.gathered:
+                unit.reshard()  # kept for a backward that never reached it
+                self._emit(Point.FREE, unit)
         self.verdict.close()
         self._emit(Point.BACKWARD_DONE, self.root)
         self.backward_started.clear()
