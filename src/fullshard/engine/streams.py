@@ -109,6 +109,11 @@ class Streams:
         else:
             self.gather.wait_event(event)
 
+    @property
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The last forward all-gather's buffers, held one unit longer (empty on CPU)."""
+        return self._held[0] if self._held is not None else []
+
     def release_held(self) -> None:
         """Release the held all-gather buffers (the root's post-forward, or the next hold)."""
         if self._held is not None and self.gather is not None:

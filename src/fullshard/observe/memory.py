@@ -126,9 +126,7 @@ def _comm(units: list[CommUnit]) -> Iterable[torch.Tensor | None]:
             yield reduce.out
             if reduce.pending is not None:
                 yield from reduce.pending.buffers
-        held = u.streams._held  # CUDA: the last forward all-gather's buffers, one unit longer
-        if held is not None:
-            yield from held[0]
+        yield from u.streams.held_buffers  # CUDA: the last forward gather's, one unit longer
 
 
 class MemoryTracker:
