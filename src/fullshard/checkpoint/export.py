@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from fullshard.dist.collectives import all_gather
 from fullshard.engine.sharding import units
@@ -60,9 +61,15 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
         unit = view.unit
         for group in unit.groups:  # one unless the unit mixes dtypes
             flat = _gather_group(unit, group)
-            if keep:
-                for i, p in enumerate(group.params):
-                    full = group.layout.gathered_view(flat, i).detach().to("cpu", copy=True)
+            for i, p in enumerate(group.params):
+                full = group.layout.gathered_view(flat, i).detach()
+                if p.tp is not None:  # the TP-local whole: join the TP ranks' (all of them call)
+                    full = DTensor.from_local(
+                        full, p.tp.mesh, list(p.tp.placements), run_check=False,
+                        shape=p.tp.shape, stride=p.tp.stride,
+                    ).full_tensor()  # fmt: skip
+                if keep:
+                    full = full.to("cpu", copy=True)  # one tensor for every tied name
                     for fqn in view.names_of(p):
                         out[fqn] = full
             del flat

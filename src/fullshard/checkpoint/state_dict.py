@@ -28,7 +28,6 @@ from fullshard.engine.param import as_dtensor
 from fullshard.engine.sharding import units
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError
-from fullshard.shard.layout import chunk_of
 
 _Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
@@ -122,7 +121,7 @@ def _local(value: Any, unit: CommUnit | None, index: int, key: str) -> Any:
     if unit is None:
         return value.full_tensor() if isinstance(value, DTensor) else value
     sp = unit.params[index]
-    if value.dim() == 0 or (not isinstance(value, DTensor) and value.shape != sp.shape):
+    if value.dim() == 0 or (not isinstance(value, DTensor) and value.shape != sp.global_shape):
         return value
     return as_dtensor(sp.shard_of(value, key).to(sp.local.device), sp.sharded)
 
@@ -211,10 +210,10 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, Any] | Non
                     )
                 full = full_state_dict[key].detach().to(unit.mesh.device, sp.sharded.dtype)
             else:
-                full = torch.empty(sp.shape, dtype=sp.sharded.dtype, device=unit.mesh.device)
+                full = torch.empty(sp.global_shape, dtype=sp.sharded.dtype, device=unit.mesh.device)
             broadcast_tensor(full, 0, what=f"broadcast_from_rank0 of '{key}'")
             with torch.no_grad():
-                sp.local.copy_(chunk_of(full, unit.mesh.world_size, unit.mesh.rank))
+                sp.local.copy_(sp.shard_of(full, key))
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if name in managed or t.is_meta:

@@ -18,6 +18,7 @@ from fullshard.engine.collect import (
     check_ignored,
     check_modules,
     check_params,
+    check_tensor_parallel,
     collect,
     param_device,
 )
@@ -25,7 +26,7 @@ from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, sign
 from fullshard.engine.cpu_rng import install_cpu_shard_rng
 from fullshard.engine.hooks import FSDPState
 from fullshard.engine.local_step import LOCAL_STEPS
-from fullshard.engine.param import ShardedParam
+from fullshard.engine.param import ShardedParam, local_of
 from fullshard.engine.state_dict_hooks import install_state_dict_hooks
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError, MixedPrecisionPolicy, OffloadPolicy
@@ -286,17 +287,21 @@ def fully_shard(
         install_cpu_shard_rng()  # NOTE [Init after sharding]
     raf = _reshard_arg(reshard_after_forward, info, unit_name)
     check_params(found, children, unit_name, modules)
+    tp = check_tensor_parallel(found, info, unit_name)
     entries = [(f.fqns, f.param, f.refs) for f in found]
     check_same_model(unit_name, signature(entries), info)
+    # a tensor-parallel parameter is sharded by its local tensor (NOTE [Tensor parallel
+    # parameters]): the unit's layout and collectives see only TP-local tensors
+    local = [local_of(f.param) for f in found]
     params = [
-        ShardedParam(f.fqns, f.refs, i, f.param.shape, f.param.requires_grad, info, f.owner)
-        for i, f in enumerate(found)
+        ShardedParam(f.fqns, f.refs, i, t.shape, f.param.requires_grad, info, f.owner, spec)
+        for i, (f, t, spec) in enumerate(zip(found, local, tp, strict=True))
     ]
     unit = CommUnit(
         type(modules[0]).__name__,
         modules[0],
         params,
-        [f.param for f in found],
+        local,
         info,
         mp_policy,
         offload_policy,

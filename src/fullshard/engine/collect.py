@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from fullshard.dist.mesh import MeshInfo
+from fullshard.engine.param import TPSpec
 from fullshard.policies import FullshardError
 
 if TYPE_CHECKING:
@@ -78,6 +82,48 @@ def collect(
     for i, module in enumerate(modules):
         visit(module, "", i)
     return list(found.values()), children
+
+
+def check_tensor_parallel(
+    found: list[Found], info: MeshInfo, unit_name: str
+) -> list[TPSpec | None]:
+    """The TP spec of each parameter that already is a DTensor (None for the others), after the
+    checks that say what fullshard cannot shard (NOTE [Tensor parallel parameters])."""
+    specs = []
+    for f in found:
+        spec = TPSpec.of(f.param)
+        specs.append(spec)
+        if spec is None:
+            continue
+        where = f"parameter '{f.fqns[0]}' of {unit_name} (rank {info.rank})"
+        if spec.mesh.device_type != info.device.type:
+            raise FullshardError(
+                f"{where} is a DTensor on a '{spec.mesh.device_type}' mesh, but the unit shards "
+                f"over a '{info.device.type}' mesh; build both from one init_device_mesh, e.g. "
+                "mesh['dp'] and mesh['tp'] of init_device_mesh(device, (dp, tp), "
+                "mesh_dim_names=('dp', 'tp'))."
+            )
+        if (
+            spec.mesh.size() > 1
+            and any(
+                info.device_mesh.get_group(d) is spec.mesh.get_group(0)
+                for d in range(info.device_mesh.ndim)
+            )
+            or spec.mesh.ndim != 1
+        ):
+            raise FullshardError(
+                f"{where} is a DTensor on the mesh fullshard shards over (or on a "
+                f"{spec.mesh.ndim}-D mesh); its mesh must be a separate 1-D tensor-parallel mesh: "
+                "pass fully_shard(mesh=mesh['dp']) with the parameters on mesh['tp']."
+            )
+        bad = [p for p in spec.placements if not isinstance(p, (Shard, Replicate))]
+        if bad or any(isinstance(p, _StridedShard) for p in spec.placements):
+            raise FullshardError(
+                f"{where} has tensor-parallel placements {list(spec.placements)}; fullshard "
+                "shards parameters placed Shard(d) or Replicate() on their TP mesh. Apply "
+                "the TP plan (parallelize_module) first, and sharding once."
+            )
+    return specs
 
 
 def check_modules(modules: list[nn.Module]) -> None:

@@ -22,22 +22,34 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.dist.collectives import all_reduce
 from fullshard.dist.mesh import default_timeout
 from fullshard.engine.param import local_of
 
+_Key = tuple[dist.ProcessGroup, "dist.ProcessGroup | None"]
+
 
 def _groups(
     params: list[torch.Tensor],
-) -> dict[dist.ProcessGroup, tuple[torch.device, list[torch.Tensor]]]:
-    """Sharded parameters by shard group, with the device that group communicates on."""
-    out: dict[dist.ProcessGroup, tuple[torch.device, list[torch.Tensor]]] = {}
+) -> dict[_Key, tuple[torch.device, list[torch.Tensor]]]:
+    """Sharded parameters by (shard group, TP group), with the device they communicate on.
+
+    The TP group is set for a tensor-parallel parameter that TP shards (NOTE [Tensor parallel
+    parameters]): its TP ranks hold different pieces, so their sums add up too. A parameter TP
+    replicates holds the same values on every TP rank and is counted once (no TP group).
+    """
+    out: dict[_Key, tuple[torch.device, list[torch.Tensor]]] = {}
     for p in params:
         unit = getattr(p, "_fullshard_unit", None)
-        if unit is not None:
-            out.setdefault(unit.mesh.group, (unit.mesh.device, []))[1].append(p)
+        if unit is None:
+            continue
+        tp_group = None
+        dp_dims = unit.mesh.device_mesh.ndim
+        if isinstance(p, DTensor) and any(isinstance(x, Shard) for x in p.placements[dp_dims:]):
+            tp_group = p.device_mesh.get_group(dp_dims)
+        out.setdefault((unit.mesh.group, tp_group), (unit.mesh.device, []))[1].append(p)
     return out
 
 
@@ -73,13 +85,15 @@ def clip_grad_norm_(
     device = with_grad[0].device if with_grad else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     sharded_ids: set[int] = set()
-    for group, (comm_device, ps) in _groups(with_grad).items():
+    for (group, tp_group), (comm_device, ps) in _groups(with_grad).items():
         sharded_ids.update(id(p) for p in ps)
         part = _local([p.grad for p in ps if p.grad is not None], norm_type, comm_device)
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        all_reduce(
-            part, group, op=op, what="clip_grad_norm_ all-reduce", timeout=default_timeout()
-        ).wait()
+        for g in (group, tp_group):
+            if g is not None:
+                all_reduce(
+                    part, g, op=op, what="clip_grad_norm_ all-reduce", timeout=default_timeout()
+                ).wait()
         part = part.to(device)
         total = torch.maximum(total, part) if inf else total + part
     rest = [p.grad for p in with_grad if id(p) not in sharded_ids and p.grad is not None]

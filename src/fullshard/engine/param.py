@@ -26,11 +26,15 @@ output. The engine itself only ever touches the local tensors (``ShardedParam.lo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from fullshard.policies import FullshardError
 from fullshard.shard.layout import chunk_of, contiguous_stride, local_shape
@@ -41,6 +45,44 @@ try:  # FSDP2's own constructor: no autograd, no argument checks (10x cheaper th
     )
 except ImportError:  # pragma: no cover - older torch
     _no_grad_dtensor = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """A parameter that already was a DTensor on another mesh (tensor parallel) when
+    ``fully_shard`` saw it: that mesh, its placements and the parameter's global shape.
+
+    NOTE [Tensor parallel parameters]
+    fullshard shards a tensor-parallel parameter's *local* tensor over the data-parallel mesh,
+    as FSDP2 does: the unit's layout, gathers and reduce-scatters only ever see TP-local
+    tensors. Around them, three views keep torch's DTensor contract:
+    - the sharded parameter is a DTensor on the concatenated (data-parallel, TP) mesh, with
+      ``Shard(0)`` over the data-parallel dims (``_StridedShard(0, split_factor=tp)`` when TP
+      also shards dim 0, since the data-parallel split happens inside each TP shard) followed by
+      TP's own placements; so ``full_tensor()``, DCP and ``clip_grad_norm_`` see the whole;
+    - the gathered parameter the module computes with is a DTensor on the TP mesh with TP's
+      placements, over the gathered storage, which TP's module hooks expect;
+    - its gradient arrives as a DTensor on the TP mesh; its local tensor is what is reduced.
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @staticmethod
+    def of(param: torch.Tensor) -> TPSpec | None:
+        if not isinstance(param, DTensor):
+            return None
+        return TPSpec(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+
+    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP slice of a full (global) tensor: no communication."""
+        shape, offset = compute_local_shape_and_global_offset(
+            self.shape, self.mesh, list(self.placements)
+        )
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        return full[index]
 
 
 def local_of(t: Any) -> Any:
@@ -123,6 +165,7 @@ class ShardedParam:
         requires_grad: bool,
         mesh: Any,  # MeshInfo (its device_mesh and placements)
         owner: int = 0,
+        tp: TPSpec | None = None,
     ) -> None:
         self.fqns = fqns  # one per ref, relative to the unit's module
         self.fqn = fqns[0]
@@ -132,6 +175,7 @@ class ShardedParam:
         self.requires_grad = requires_grad
         self.mesh = mesh
         self.owner = owner  # which module of a list given to fully_shard holds it
+        self.tp = tp  # NOTE [Tensor parallel parameters]; ``shape`` is then the TP-local one
         self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by set_sharded_data
         self.unsharded: nn.Parameter | None = None
 
@@ -141,37 +185,65 @@ class ShardedParam:
         return self.sharded._local_tensor  # type: ignore[attr-defined,no-any-return]
 
     # -- the DTensor boundary: values coming in from state dicts, optimizer state going out ----
+    @property
+    def global_shape(self) -> torch.Size:
+        """The parameter's shape as the model defines it (``shape`` is TP-local under TP)."""
+        return self.tp.shape if self.tp is not None else self.shape
+
+    @property
+    def spmd_mesh(self) -> DeviceMesh:
+        """The mesh of the sharded DTensor: the unit's, joined with TP's under TP."""
+        if self.tp is None:
+            return self.mesh.device_mesh  # type: ignore[no-any-return]
+        return DeviceMesh._concatenate([self.mesh.device_mesh, self.tp.mesh])
+
+    @property
+    def spmd_placements(self) -> tuple[Placement, ...]:
+        """The sharded DTensor's placements (NOTE [Tensor parallel parameters])."""
+        dp: tuple[Placement, ...] = self.mesh.placements
+        if self.tp is None:
+            return dp
+        split = 1
+        for size, placement in zip(self.tp.mesh.shape, self.tp.placements, strict=True):
+            if isinstance(placement, Shard) and placement.dim == 0:
+                split *= size
+        if split > 1:
+            dp = (*dp[:-1], _StridedShard(0, split_factor=split))
+        return (*dp, *self.tp.placements)
+
     def shard_of(self, value: Any, key: str) -> torch.Tensor:
         """This rank's rows of a loaded ``value`` for this parameter: a DTensor (same layout:
         taken as is; any other placement or mesh: redistributed), a full tensor (this rank
         keeps its rows) or a tensor that already has this rank's shard shape."""
         world, rank = self.mesh.world_size, self.mesh.rank
         want = local_shape(self.shape, world, rank)
+        full_shape = self.global_shape
         if isinstance(value, DTensor):
-            if value.shape != self.shape:
+            if value.shape != full_shape:
                 raise FullshardError(
                     f"rank {rank}: state dict entry '{key}' has shape {tuple(value.shape)}, the "
-                    f"model's parameter has {tuple(self.shape)}."
+                    f"model's parameter has {tuple(full_shape)}."
                 )
             same = (
-                tuple(value.placements) == self.mesh.placements
-                and value.device_mesh.size() == world * self.mesh.replicate_size
+                tuple(value.placements) == self.spmd_placements
+                and value.device_mesh.size() == self.spmd_mesh.size()
                 and value.to_local().shape == want
             )
             if same:
                 return value.to_local()
-            return chunk_of(value.full_tensor(), world, rank)
+            value = value.full_tensor()
         if not isinstance(value, torch.Tensor):
             raise FullshardError(
                 f"state dict entry '{key}' is a {type(value).__name__}, not a tensor."
             )
-        if value.shape == self.shape:
-            return chunk_of(value, world, rank)
+        if value.shape == full_shape:
+            part = self.tp.local_part(value) if self.tp is not None else value
+            return chunk_of(part, world, rank)
         if value.shape == want:
             return value
         raise FullshardError(
             f"rank {rank}: state dict entry '{key}' has shape {tuple(value.shape)}; expected the "
-            f"full shape {tuple(self.shape)} or this rank's shard {tuple(want)}."
+            f"full shape {tuple(full_shape)} or this rank's shard {tuple(want)}."
         )
 
     def state_as_dtensor(self, value: Any) -> Any:
@@ -196,11 +268,11 @@ class ShardedParam:
             with torch.no_grad():
                 dt = DTensor.from_local(
                     view,
-                    self.mesh.device_mesh,
-                    list(self.mesh.placements),
+                    self.spmd_mesh,
+                    list(self.spmd_placements),
                     run_check=False,
-                    shape=self.shape,
-                    stride=contiguous_stride(self.shape),
+                    shape=self.global_shape,
+                    stride=contiguous_stride(self.global_shape),
                 )
             self.sharded = nn.Parameter(dt, requires_grad=self.requires_grad)
         self._attach_local()
@@ -242,11 +314,39 @@ class ShardedParam:
         See NOTE [Gather writes do not bump versions]. An existing object is kept (only its data
         moves) because its post-accumulate-grad hook is registered on it.
         """
-        if self.unsharded is not None and self.unsharded.device == view.device:
-            self.unsharded.data = view.data
-        else:
-            self.unsharded = nn.Parameter(view.data, requires_grad=self.requires_grad)
-        return self.unsharded
+        same = self.unsharded is not None and self.unsharded.device == view.device
+        if self.tp is None:
+            if same:
+                self.unsharded.data = view.data  # type: ignore[union-attr]
+            else:
+                self.unsharded = nn.Parameter(view.data, requires_grad=self.requires_grad)
+        elif same and self.unsharded.dtype == view.dtype:  # type: ignore[union-attr]
+            self.unsharded._local_tensor = view.data  # type: ignore[union-attr]
+        else:  # what TP's module hooks expect (NOTE [Tensor parallel parameters])
+            with torch.no_grad():
+                dt = DTensor.from_local(
+                    view.data,
+                    self.tp.mesh,
+                    list(self.tp.placements),
+                    run_check=False,
+                    shape=self.tp.shape,
+                    stride=self.tp.stride,
+                )
+            self.unsharded = nn.Parameter(dt, requires_grad=self.requires_grad)
+        return self.unsharded  # type: ignore[return-value]
+
+    def pop_grad(self) -> torch.Tensor | None:
+        """Take the gathered parameter's gradient off it, as a plain TP-local tensor."""
+        u = self.unsharded
+        if u is None or u.grad is None:
+            return None
+        grad, u.grad = u.grad, None
+        if isinstance(grad, DTensor):
+            assert self.tp is not None
+            if tuple(grad.placements) != self.tp.placements:  # e.g. Partial: settle it on TP
+                grad = grad.redistribute(grad.device_mesh, list(self.tp.placements))
+            grad = grad.to_local()
+        return grad
 
     def expose(self, unsharded: bool) -> None:
         """Make every owning module see the gathered (``True``) or the sharded parameter."""

@@ -84,12 +84,13 @@ class ReduceGrads:
             u = p.unsharded
             if u is None or u.grad is None or u.grad.dtype == self.reduce_dtype:
                 continue
+            grad = p.pop_grad()
+            assert grad is not None
             kept = self.accumulated.get(id(p))
             if kept is None:
-                self.accumulated[id(p)] = u.grad.to(self.reduce_dtype)
+                self.accumulated[id(p)] = grad.to(self.reduce_dtype)
             else:
-                kept += u.grad
-            u.grad = None
+                kept += grad
 
     def reduce_grads(self) -> None:
         """Reduce-scatter the unit's unsharded gradients (asynchronously) and drop them."""
@@ -127,10 +128,7 @@ class ReduceGrads:
     def _full_grad(self, p: ShardedParam) -> torch.Tensor | None:
         """The gradient to reduce (taken off the parameter): this backward's plus what was
         accumulated without sync."""
-        u = p.unsharded
-        grad = u.grad if u is not None else None
-        if u is not None:
-            u.grad = None
+        grad = p.pop_grad()
         kept = self.accumulated.pop(id(p), None)
         if kept is None:
             return grad

@@ -1,0 +1,187 @@
+"""FSDP x tensor parallel on a 2-D mesh: torchtitan's recipe, against one process in float64.
+
+Each block's two linears are column- then row-parallel over mesh["tp"] (``parallelize_module``);
+then every block and the root are ``fully_shard``-ed over mesh["dp"]. The TP ranks of one
+data-parallel rank see the same batch; the reference model sees every data-parallel batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from harness import run_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from fullshard import FullshardError, clip_grad_norm_, fully_shard
+from fullshard.checkpoint import full_state_dict
+
+DIM, HIDDEN, OUT = 8, 12, 5
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+        self.norm = nn.LayerNorm(DIM)  # replicated on TP
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([MLP() for _ in range(2)])
+        self.head = nn.Linear(DIM, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _batches(steps: int, dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(steps, dp, 3, DIM, generator=g, dtype=torch.float64)
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def _tp_fsdp(model: nn.Module, dp: int, tp: int, hsdp: bool = False) -> nn.Module:
+    names = ("replicate", "shard", "tp") if hsdp else ("dp", "tp")
+    shape = (2, dp // 2, tp) if hsdp else (dp, tp)  # HSDP: 2 replicas
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp_mesh = mesh["replicate", "shard"] if hsdp else mesh["dp"]
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _parity(rank: int, world: int, tp: int, hsdp: bool) -> dict:
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    ref = Net()
+    model = _tp_fsdp(copy.deepcopy(ref), world // tp, tp, hsdp)
+    dp_rank, dp = rank // tp, world // tp
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = _batches(3, dp)
+    norms = []
+    for step in range(3):
+        _loss(model, data[step][dp_rank]).backward()
+        _loss(ref, data[step].reshape(-1, DIM)).backward()
+        norms.append(
+            (
+                clip_grad_norm_(model.parameters(), 1e9).item(),
+                clip_grad_norm_(ref.parameters(), 1e9).item(),
+            )
+        )
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    export = full_state_dict(model, rank0_only=False)  # gathers over dp, joins over TP
+    return {
+        "diff": max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()),
+        "export_diff": max((export[n] - p).abs().max().item() for n, p in ref.named_parameters()),
+        "norm_diff": max(abs(a - b) for a, b in norms),
+        "dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+        "placements": {n: str(p.placements) for n, p in model.named_parameters()},
+    }
+
+
+@pytest.mark.parametrize(("world", "tp", "hsdp"), [(4, 2, False), (4, 2, True)])
+def test_fsdp_times_tp_matches_one_process(world: int, tp: int, hsdp: bool) -> None:
+    for r in run_ranks(_parity, world, tp, hsdp, timeout_s=180):
+        assert r["dtensor"]
+        assert r["diff"] <= 1e-12, r
+        assert r["export_diff"] <= 1e-12, r
+        assert r["norm_diff"] <= 1e-12, r
+        assert "_StridedShard" in r["placements"]["blocks.0.up.weight"]  # TP shards dim 0 too
+        dp = ("Replicate(), " if hsdp else "") + "Shard(dim=0)"
+        assert r["placements"]["blocks.0.down.bias"] == f"({dp}, Replicate())"
+        norm = f"({dp})" if hsdp else f"({dp},)"  # not TP: the data-parallel placements only
+        assert r["placements"]["blocks.0.norm.weight"] == norm
+
+
+def _bad_mesh(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    block = MLP()
+    parallelize_module(block, mesh["dp"], {"up": ColwiseParallel()})  # TP over the dp mesh
+    try:
+        fully_shard(block, mesh=mesh["dp"])
+    except FullshardError as e:
+        return str(e)
+    return ""
+
+
+def test_tp_on_the_mesh_fullshard_shards_over_is_refused() -> None:
+    for msg in run_ranks(_bad_mesh, 4):
+        assert "up.weight" in msg and "mesh['tp']" in msg
+
+
+def _save(rank: int, world: int, folder: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from fullshard import get_state_dict
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = _tp_fsdp(Net(), 2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = _batches(3, 2)
+    for step in range(2):
+        _loss(model, data[step][rank // 2]).backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+
+
+def _load_and_step(rank: int, world: int, folder: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from fullshard import get_state_dict, set_state_dict
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    ref = Net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    torch.manual_seed(123)  # another init: everything must come from the checkpoint
+    model = _tp_fsdp(Net(), 1, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    data = _batches(3, 2)
+    for step in range(3):  # the reference: every batch of both data-parallel ranks
+        _loss(ref, data[step].reshape(-1, DIM)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _loss(model, data[2].reshape(-1, DIM)).backward()  # one data-parallel rank: the union
+    opt.step()
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {"diff": max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())}
+
+
+def test_checkpoint_saved_at_dp2_tp2_loads_at_dp1_tp2(tmp_path: str) -> None:
+    folder = str(tmp_path)
+    run_ranks(_save, 4, folder, timeout_s=180)
+    for r in run_ranks(_load_and_step, 2, folder, timeout_s=180):
+        assert r["diff"] <= 1e-12, r
