@@ -111,6 +111,8 @@ TRAIN = [
         "has no default shard group size",
     ),
     (["--strategy", "hybrid_shard", "--nproc", "4", "--shard-size", "3"], "(got 3)"),
+    (["--nproc", "4", "--tp", "3"], "--tp 3 does not divide the 4 ranks"),
+    (["--nproc", "3", "--tp", "3", "--batch-size", "9", "--model", "hf:llama-tiny"], "--tp 3: "),
     # devices and outputs
     (["--backend", "nccl", "--device", "cpu"], "--backend nccl moves CUDA tensors only"),
     pytest.param(["--device", "cuda"], "--device cuda: no CUDA device", marks=NO_CUDA),

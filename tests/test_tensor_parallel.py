@@ -185,3 +185,31 @@ def test_checkpoint_saved_at_dp2_tp2_loads_at_dp1_tp2(tmp_path: str) -> None:
     run_ranks(_save, 4, folder, timeout_s=180)
     for r in run_ranks(_load_and_step, 2, folder, timeout_s=180):
         assert r["diff"] <= 1e-12, r
+
+
+def _train(tmp: str, name: str, *flags: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    cmd = [sys.executable, "-m", "fullshard.app.cli", "train", "--max-steps", "5",
+           "--batch-size", "8", "--seq-len", "64", "--eval-every", "0", "--sample-tokens", "0",
+           "--runs-dir", tmp, "--name", name, *flags]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=src)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(json.loads((Path(tmp) / name / "summary.json").read_text()))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("model", ["tiny", "hf:llama-tiny"])
+def test_train_tp2_on_4_ranks_follows_2_data_parallel_ranks(tmp_path: str, model: str) -> None:
+    # the same global batches: TP splits each block's matrices, not the data
+    tp = _train(str(tmp_path), "tp", "--model", model, "--nproc", "4", "--tp", "2")
+    dp = _train(str(tmp_path), "dp", "--model", model, "--nproc", "2")
+    assert tp["world_size"] == 4 and dp["world_size"] == 2
+    for key in ("start_loss", "end_loss", "final_val_loss"):
+        assert tp[key] == pytest.approx(dp[key], abs=1e-5), key

@@ -122,6 +122,12 @@ class TrainConfig:
         "node)",
         group="sharding",
     )
+    tp: int = _opt(
+        1,
+        "tensor parallel: split each block's matrices over this many consecutive ranks; the "
+        "strategy shards over the rest (world / tp data-parallel ranks)",
+        group="sharding",
+    )
     activation_checkpointing: bool = _opt(
         False, "recompute each block's activations in backward (less memory)", group="sharding"
     )
@@ -213,8 +219,8 @@ class TrainConfig:
     )
 
     def micro_batch(self, world_size: int) -> int:
-        """Sequences per rank per micro-batch."""
-        return self.batch_size // (world_size * self.grad_accum)
+        """Sequences per rank per micro-batch (the TP ranks of a data-parallel rank share it)."""
+        return self.batch_size // (world_size // self.tp * self.grad_accum)
 
 
 def _field_types() -> dict[str, Any]:
@@ -347,7 +353,9 @@ def hybrid_shard_size(cfg: TrainConfig, world_size: int) -> int:
     default, :func:`fullshard.engine.sharding.hybrid_shard_size`)."""
     from fullshard.engine.sharding import hybrid_shard_size as default
 
-    return default(world_size, cfg.shard_size)
+    # tensor parallel: the strategy shards over the data-parallel ranks only
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // cfg.tp
+    return default(world_size // cfg.tp, cfg.shard_size, max(local, 1))
 
 
 def check_model_spec(spec: str, flag: str = "--model") -> tuple[str, str]:
@@ -389,7 +397,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             f"tokenizer {cfg.tokenizer!r} is neither 'byte' nor a local tokenizer directory"
         )
-    positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nproc", "threads")
+    positive = (
+        "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nproc", "threads", "tp"
+    )  # fmt: skip
     for key in positive:
         if getattr(cfg, key) < 1:
             raise ConfigError(
@@ -422,13 +432,20 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         )
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
         raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
-    per_step = world_size * cfg.grad_accum
+    if world_size % cfg.tp:
+        raise ConfigError(
+            f"--tp {cfg.tp} does not divide the {world_size} ranks: each data-parallel rank needs "
+            f"{cfg.tp} ranks for tensor parallel; use --nproc {cfg.tp * max(1, world_size // cfg.tp)}"
+        )
+    per_step = world_size // cfg.tp * cfg.grad_accum
     if cfg.batch_size % per_step != 0:
         lower = max(per_step, cfg.batch_size - cfg.batch_size % per_step)
         raise ConfigError(
             f"--batch-size {cfg.batch_size} (global) is not divisible by world size {world_size} "
-            f"x --grad-accum {cfg.grad_accum} = {per_step}: every rank needs the same whole number "
-            f"of sequences per micro-batch. Use e.g. --batch-size {lower} or {lower + per_step}."
+            + (f"/ --tp {cfg.tp} " if cfg.tp > 1 else "")
+            + f"x --grad-accum {cfg.grad_accum} = {per_step}: every rank needs the same whole "
+            f"number of sequences per micro-batch. Use e.g. --batch-size {lower} or "
+            f"{lower + per_step}."
         )
     if cfg.strategy.startswith("hybrid"):
         try:

@@ -142,8 +142,10 @@ def _train(
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads)
     micro = cfg.micro_batch(world)
-    train_tokens, val_tokens = split_for_rank(tokens, rank, world, cfg.val_fraction)
-    sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=rank)
+    # data parallel rank: the --tp consecutive ranks of one TP group read the same batches
+    dp_rank, dp = rank // cfg.tp, world // cfg.tp
+    train_tokens, val_tokens = split_for_rank(tokens, dp_rank, dp, cfg.val_fraction)
+    sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
     val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
 
     model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed, device=device)
@@ -163,6 +165,7 @@ def _train(
         unit_types_of(model),
         mixed_precision=cfg.mixed_precision,
         shard_size=cfg.shard_size,
+        tp=cfg.tp,
         activation_checkpointing=cfg.activation_checkpointing,
     )
     opt = torch.optim.AdamW(
@@ -201,7 +204,9 @@ def _train(
             print(f"resumed from step {done} ({ckpt.resolve(resume or '')})", flush=True)
         print(
             f"fullshard train: {cfg.model} ({n_params / 1e6:.2f}M params), {world} ranks "
-            f"({info.backend}), {plan.summary()}, {len(tokens):,} tokens "
+            f"({info.backend}), {plan.summary()}"
+            + (f", tensor parallel over {cfg.tp} ranks" if cfg.tp > 1 else "")
+            + f", {len(tokens):,} tokens "
             f"({len(train_tokens):,} train per rank), micro-batch {micro} x {cfg.seq_len}, "
             f"grad-accum {cfg.grad_accum} -> run folder {run_dir}",
             flush=True,

@@ -121,6 +121,8 @@ def validate_train(cfg: TrainConfig, world_size: int) -> None:
         _writable_folder(cfg.checkpoint_dir, "--checkpoint-dir")
     _check_resume(cfg)
     _check_data(cfg, world_size)
+    if cfg.tp > 1:
+        _check_tensor_parallel(cfg)
 
 
 def _check_resume(cfg: TrainConfig) -> None:
@@ -191,6 +193,7 @@ def _check_data(cfg: TrainConfig, world_size: int) -> None:
     if cfg.tokenizer != "byte":
         return  # counting other tokens means tokenizing the corpus: the ranks check it
     micro = cfg.micro_batch(world_size)
+    world_size //= cfg.tp  # the data-parallel ranks split the corpus
     need = micro * (cfg.seq_len + 1) + cfg.seq_len  # training tokens per rank for one batch
 
     def enough(n_tokens: int) -> bool:
@@ -214,6 +217,18 @@ def _check_data(cfg: TrainConfig, world_size: int) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # trace, bench, plan --check
+
+
+def _check_tensor_parallel(cfg: TrainConfig) -> None:
+    """The model has a TP plan and its split dimensions divide by ``--tp`` (on the meta
+    device: no memory)."""
+    from fullshard.app.models import build_model, unit_types_of
+    from fullshard.app.tensor_parallel import check_divisible
+
+    model = build_model(cfg.model, 256, device="meta")
+    types = unit_types_of(model)
+    for block in [m for m in model.modules() if isinstance(m, types)][:1]:
+        check_divisible(block, cfg.tp)
 
 
 def validate_trace(args: argparse.Namespace, world_size: int) -> None:

@@ -6,6 +6,7 @@ one :class:`~fullshard.engine.sharding.ShardingPlan` (the same units, the same h
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_
-from fullshard.engine.parallelize import apply_plan
+from fullshard.engine.parallelize import apply_plan, mesh_device_type
 from fullshard.engine.sharding import ShardingPlan, plan_sharding
 
 __all__ = [
@@ -34,12 +35,15 @@ def shard_model(
     mixed_precision: str = "none",
     shard_size: int = 0,
     activation_checkpointing: bool = False,
+    tp: int = 1,
 ) -> ShardingPlan:
     """Shard ``model``: every submodule of a type in ``unit_types`` becomes one unit, then the root.
 
     ``strategy`` is a ``ShardingStrategy`` name; the hybrid ones shard inside groups of
     ``shard_size`` ranks (0: :func:`~fullshard.engine.sharding.hybrid_shard_size`) and replicate
-    across the groups. Returns the plan that was applied.
+    across the groups. ``tp`` > 1: tensor parallel over that many consecutive ranks inside each
+    block first (``fullshard.app.tensor_parallel``), the strategy over the rest. Returns the plan
+    that was applied.
     """
     dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     # Gradients are reduced in float32 even when computing in bf16/fp16: summing N ranks' low
@@ -48,10 +52,22 @@ def shard_model(
     types = tuple(unit_types)
     if not any(isinstance(m, types) and m is not model for m in model.modules()):
         raise ValueError(f"model {type(model).__name__} has no submodule of type {types}")
-    plan = plan_sharding(model, strategy, types, dist.get_world_size(), shard_size=shard_size)
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) // tp
+    plan = plan_sharding(
+        model, strategy, types, world // tp, shard_size=shard_size, local_world_size=max(local, 1)
+    )
+    mesh = None
+    if tp > 1:
+        from fullshard.app.tensor_parallel import apply_tensor_parallel, meshes
+
+        mesh, tp_mesh = meshes(plan, tp, mesh_device_type(model))
+        apply_tensor_parallel(model, plan.unit_modules(model), tp_mesh)
     # the engine puts the units where the model is (a GPU shared over gloo included), or on
     # the GPU when the backend moves only CUDA tensors
-    apply_plan(model, plan, mp_policy=mp, activation_checkpointing=activation_checkpointing)
+    apply_plan(
+        model, plan, mesh=mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing
+    )
     return plan
 
 
