@@ -223,6 +223,22 @@ def test_recommendation_tiny_model_replicates() -> None:
     assert rec.recommendation.strategy in ("no_shard", "shard_grad_op")
 
 
+def test_tensor_parallel_splits_the_matrices_and_adds_its_all_reduces() -> None:
+    model = build_model("hf:llama-tiny", 256, device="meta")
+    # every projection of attention and MLP is split (Llama's have no biases)
+    split = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_proj.weight"))
+    whole = count_params(model)
+    cfg = PlanConfig(precision="fp32", seq=32, batch=2, tp=2)
+    plan = plan_builtin("hf:llama-tiny", 4, cfg, with_recommendation=False)
+    assert plan.params == whole - split / 2  # this device's half of every split matrix
+    assert plan.shard_group == 2  # 4 devices / tp 2
+    hidden = model.config.hidden_size  # type: ignore[union-attr]
+    layers = model.config.num_hidden_layers  # type: ignore[union-attr]
+    (tp,) = [c for c in plan.comm if c.group == "tp"]
+    assert tp.tensor_bytes == 4 * layers * 2 * 32 * hidden * 4  # 2 + 2 block-sized all-reduces
+    assert main(["plan", "--params", "1e9", "--devices", "4", "--tp", "2"]) == 2
+
+
 def test_hybrid_group_must_divide_the_world() -> None:
     with pytest.raises(ValueError, match="divides 4"):
         plan_analytic(1e9, 4, PlanConfig(strategy="hybrid_shard", hybrid_group=3))

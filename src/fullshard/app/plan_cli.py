@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+from torch import nn
+
 from fullshard.app.models import build_model, lm_loss, unit_types_of
 from fullshard.plan import GB, Plan, PlanConfig, fmt_bytes, plan_analytic, plan_model, recommend
 from fullshard.plan.accounting import DTYPE_BYTES, OPTIMIZERS, Recommendation
@@ -36,9 +39,11 @@ def plan_builtin(
     with_recommendation: bool = True,
 ) -> Plan:
     """:func:`fullshard.plan.plan_model` for a ``fullshard.app.models`` name (``small``,
-    ``gpt2-124m``, ``hf:NAME`` ...), built on the meta device, with the trainer's loss."""
+    ``gpt2-124m``, ``hf:NAME`` ...), built on the meta device, with the trainer's loss; with
+    ``config.tp`` > 1, split as ``fullshard train --tp`` splits it."""
     model = build_model(name, vocab_size, device="meta")
     config = config or PlanConfig(precision="fp32", seq=128)
+    local = tp_local_shapes(model, config.tp) if config.tp > 1 else None
     return plan_model(
         model,
         unit_types_of(model),
@@ -48,7 +53,30 @@ def plan_builtin(
         name=name,
         shape={"batch": config.batch, "seq": config.seq, "vocab": vocab_size},
         with_recommendation=with_recommendation,
+        local_shapes=local,
     )
+
+
+def tp_local_shapes(model: nn.Module, tp: int) -> dict[str, torch.Size]:
+    """Parameter name -> the shape one rank holds under ``fullshard train --tp`` (column-wise:
+    rows split; row-wise: columns split, bias whole)."""
+    from fullshard.app.tensor_parallel import block_plan, check_divisible
+
+    out: dict[str, torch.Size] = {}
+    types = unit_types_of(model)
+    for bname, block in model.named_modules():
+        if not isinstance(block, types):
+            continue
+        check_divisible(block, tp)
+        for sub, kind in block_plan(block).items():
+            linear = block.get_submodule(sub)
+            assert isinstance(linear, nn.Linear)
+            out_f, in_f = linear.out_features, linear.in_features
+            w = (out_f // tp, in_f) if kind == "col" else (out_f, in_f // tp)
+            out[f"{bname}.{sub}.weight"] = torch.Size(w)
+            if linear.bias is not None and kind == "col":
+                out[f"{bname}.{sub}.bias"] = torch.Size([out_f // tp])
+    return out
 
 
 def make_plan(
@@ -91,8 +119,9 @@ def format_plan(plan: Plan) -> str:
     shape = ", ".join(f"{k} {v}" for k, v in plan.shape.items())
     name = f"{plan.model}, " if plan.mode == "model" else ""
     root = " + root" if plan.mode == "model" else " (equal layers)"
+    tp = f" (per device of a tensor-parallel group of {cfg.tp})" if cfg.tp > 1 else ""
     lines = [
-        f"fullshard plan ({plan.mode} mode): {name}{plan.params:,.0f} parameters in "
+        f"fullshard plan ({plan.mode} mode): {name}{plan.params:,.0f} parameters{tp} in "
         f"{plan.layers} units{root}, {plan.world_size} devices",
         f"  {cfg.strategy} (shard group {plan.shard_group}), {precision}, {cfg.optimizer}, "
         f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
@@ -206,6 +235,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     run_ = parser.add_argument_group("training")
     run_.add_argument("--strategy", default="full_shard", choices=STRATEGY_NAMES,
                       help="sharding strategy to plan (default full_shard)")  # fmt: skip
+    run_.add_argument("--tp", type=int, default=1,
+                      help="model mode: tensor parallel over this many devices, as fullshard "
+                      "train --tp splits the model; the strategy shards over the rest (default 1)")  # fmt: skip
     run_.add_argument("--hybrid-group", type=int,
                       help="hybrid strategies: devices per shard group (default: per node)")  # fmt: skip
     run_.add_argument("--precision", choices=tuple(DTYPE_BYTES),
@@ -252,7 +284,12 @@ def run(args: argparse.Namespace) -> str:
         reserve=args.reserve,
         devices_per_node=args.devices_per_node,
         backend=args.backend,
+        tp=args.tp,
     )
+    if args.tp < 1 or args.devices % args.tp:
+        raise ValueError(f"--tp {args.tp} must be at least 1 and divide --devices {args.devices}")
+    if analytic and args.tp > 1:
+        raise ValueError("--tp needs a model to split (--model); analytic mode has no matrices")
     plan = make_plan(
         args.devices,
         config,

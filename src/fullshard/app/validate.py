@@ -273,6 +273,8 @@ def validate_plan_check(args: argparse.Namespace) -> None:
     """Every check of ``fullshard plan --check``: the plan it compares with, and the run."""
     if args.model is None:
         raise ConfigError("--check runs a model: give --model (model mode)")
+    if getattr(args, "tp", 1) > 1:
+        raise ConfigError("--check does not run tensor parallel yet: drop --tp (or --check)")
     _at_least(args, 1, "devices", "batch", "check_steps", "devices_per_node")
     if args.seq is not None:
         _at_least(args, 1, "seq")

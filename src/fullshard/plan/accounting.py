@@ -96,6 +96,9 @@ class PlanConfig:
     # gloo's reduce-scatter is an all-to-all into a receive buffer plus a local sum (NOTE
     # [Reduce-scatter on gloo]): one more unit-sized buffer while it is in flight
     backend: str = "nccl"
+    # tensor parallel: devices per TP group; the strategy shards over world / tp devices. The
+    # units' sizes must then be TP-local (``fullshard.plan.model_units(..., local_shapes)``).
+    tp: int = 1
 
     def shard_group(self, world_size: int) -> int:
         """Ranks one parameter is split over under this strategy."""
@@ -103,7 +106,8 @@ class PlanConfig:
             return 1
         if self.strategy.startswith("hybrid"):
             try:  # the engine's default and its check: a node's devices, else half the world
-                return hybrid_shard_size(world_size, self.hybrid_group or 0, self.devices_per_node)
+                per_node = max(self.devices_per_node // self.tp, 1)  # data-parallel ranks per node
+                return hybrid_shard_size(world_size, self.hybrid_group or 0, per_node)
             except FullshardError as exc:
                 raise ValueError(f"{self.strategy}: {exc} (--hybrid-group here)") from None
         return world_size
@@ -311,8 +315,11 @@ def build_plan(
         raise ValueError(
             f"unknown precision {config.precision!r} or optimizer {config.optimizer!r}"
         )
-    n = config.shard_group(world_size)
-    replicas = world_size // n
+    if config.tp < 1 or world_size % config.tp:
+        raise ValueError(f"--tp {config.tp} must divide the {world_size} devices")
+    dp_world = world_size // config.tp
+    n = config.shard_group(dp_world)
+    replicas = dp_world // n
     cb = DTYPE_BYTES[config.precision]  # compute: gathered params, unsharded grads, activations
     rb = DTYPE_BYTES[config.reduce_dtype or "fp32"]
     n_states, n_temps = OPTIMIZERS[config.optimizer]
@@ -482,7 +489,8 @@ def build_plan(
         window_forward=two,
         window_backward=window_bwd,
         phases={"forward": fwd, "backward": bwd, "optimizer": step},
-        comm=_communication(units, n, replicas, cb, rb, raf),
+        comm=_communication(units, n, replicas, cb, rb, raf)
+        + _tp_communication(units, config.tp, cb),
         host_bytes=sum(u.shard_numel for u in units) * (2 * MASTER_BYTES + state_b) if host else 0,
         shape=dict(shape or {}),
         notes=list(notes or []),
@@ -513,6 +521,19 @@ def _communication(
         out.append(Collective("all-reduce (replicas)", "replicate", replicas, 2 * shard / psi,
                               shard * rb, 2 * (replicas - 1) / replicas * shard * rb))  # fmt: skip
     return out
+
+
+def _tp_communication(units: list[UnitCost], tp: int, cb: int) -> list[Collective]:
+    """Tensor parallel's activation all-reduces: Megatron's plan all-reduces a block's output
+    twice in forward (attention, MLP) and twice in backward (their inputs' gradients), each the
+    size of the block's input (its ``input_bytes``). ``units``: over this rank's parameters."""
+    if tp == 1:
+        return []
+    psi = sum(u.numel for u in units) or 1.0
+    total = sum(4 * u.input_bytes for u in units if not u.is_root)
+    ring = 2 * (tp - 1) / tp
+    return [Collective("all-reduce (TP)", "tp", tp, total / (psi * cb), total,
+                       ring * total)]  # fmt: skip
 
 
 def plan_analytic(

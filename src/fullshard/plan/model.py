@@ -61,16 +61,20 @@ def model_units(
     unit_types: Sequence[type[nn.Module]],
     shard_group: int,
     activations: dict[int, tuple[float, float, float, float]] | None = None,
+    local_shapes: dict[str, torch.Size] | None = None,
 ) -> list[UnitCost]:
     """The model's units with per-rank shard sizes (padding included) for ``shard_group`` ranks.
 
     ``activations`` maps a unit index (0 = the root) to what :func:`measure_activations`
-    returns for it: ``(saved bytes, input bytes, tail bytes, loss bytes)``.
+    returns for it: ``(saved bytes, input bytes, tail bytes, loss bytes)``. ``local_shapes``:
+    parameter name -> the shape one rank holds under tensor parallel (the others are whole).
     """
     out = []
     for i, unit in enumerate(_units(model, unit_types)):
         params = [model.get_parameter(n) for n in unit.params]
-        shapes = [p.shape if p.dim() else torch.Size([1]) for p in params]
+        local = local_shapes or {}
+        shapes = [local.get(n, p.shape) if p.dim() else torch.Size([1])
+                  for n, p in zip(unit.params, params, strict=True)]  # fmt: skip
         trainable = [s for s, p in zip(shapes, params, strict=True) if p.requires_grad]
         # the engine's layout: each rank's shard ends in the all-gather's position tags
         layout = FlatLayout(shapes, shard_group, tail=TAG_LEN if shard_group > 1 else 0)
@@ -79,8 +83,8 @@ def model_units(
         out.append(
             UnitCost(
                 name=unit.name or "root",
-                numel=float(unit.numel),
-                trainable_numel=float(unit.trainable_numel),
+                numel=float(sum(s.numel() for s in shapes)),
+                trainable_numel=float(sum(s.numel() for s in trainable)),
                 shard_numel=float(layout.shard_numel),
                 # + one presence column per trainable parameter (NOTE [Which gradients exist])
                 grad_shard_numel=float(grad_layout.shard_numel + len(trainable)),
@@ -218,6 +222,7 @@ def plan_model(
     name: str | None = None,
     shape: dict[str, int] | None = None,
     with_recommendation: bool = True,
+    local_shapes: dict[str, torch.Size] | None = None,
 ) -> Plan:
     """Predict per-device memory (by category and phase) and communication for a real model.
 
@@ -225,7 +230,8 @@ def plan_model(
     whose modules of ``unit_types`` become units. ``loss_step(model, tokens)`` is one step's
     loss, run once on fake tensors to measure activations. ``config`` gives strategy,
     precision, optimizer, per-device ``batch`` and ``seq``, checkpointing and offload
-    (:class:`PlanConfig`). ``name`` and ``shape`` only label the report. The result's
+    (:class:`PlanConfig`; ``config.tp`` > 1 with ``local_shapes``, the TP-local parameter shapes,
+    for tensor parallel). ``name`` and ``shape`` only label the report. The result's
     ``phases[phase].categories()`` use the memory tracker's vocabulary
     (``fullshard.policies.MEMORY_CATEGORIES``).
     """
@@ -244,11 +250,17 @@ def plan_model(
         inp = float(config.batch * config.seq * hidden * cb)
         acts = {i: (per_layer, inp, 0.0, 0.0) for i in range(1, len(_units(model, unit_types)))}
         notes.append(f"activations: Korthikanti estimate (fake-tensor forward failed: {exc})")
+    if config.tp > 1:
+        notes.append(
+            f"tensor parallel over {config.tp} devices: split matrices count 1/{config.tp} per "
+            "device; activations are those of the unsplit model (an upper bound)"
+        )
     label = name or type(model).__name__
     shape = shape or {"batch": config.batch, "seq": config.seq}
 
     def evaluate(cfg: PlanConfig) -> Plan:
-        units = model_units(model, unit_types, cfg.shard_group(world_size), acts)
+        group = cfg.shard_group(world_size // cfg.tp)
+        units = model_units(model, unit_types, group, acts, local_shapes)
         return build_plan(
             units, world_size, cfg, mode="model", model=label, shape=shape, notes=notes
         )
@@ -314,7 +326,8 @@ def recommend(
     # (strategy, checkpointing) -> why it was rejected; hybrid keeps its largest group tried
     rejected: dict[tuple[str, bool], str] = {}
     for ckpt, offload in ((False, False), (True, False), (True, True)):
-        for strategy, group in _candidates(world, config.devices_per_node):
+        dp_world, dp_per_node = world // config.tp, max(config.devices_per_node // config.tp, 1)
+        for strategy, group in _candidates(dp_world, dp_per_node):
             if offload and strategy != "full_shard":
                 continue
             cfg = replace(
