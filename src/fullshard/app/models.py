@@ -64,23 +64,32 @@ MODEL_SIZES: dict[str, GPTConfig] = {
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention through ``scaled_dot_product_attention``."""
+    """Multi-head causal self-attention through ``scaled_dot_product_attention``.
+
+    q, k and v are separate matrices (not one fused ``qkv``) so that tensor parallel can split
+    them by heads (``fullshard train --tp``): the head count is read off the tensors, so a rank
+    holding some of the heads runs the same code.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.d_model % cfg.n_head != 0:
             raise ValueError(f"d_model={cfg.d_model} is not divisible by n_head={cfg.n_head}")
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        # (b, t, c) -> (b, heads, t, head_dim)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # (b, t, heads * head_dim) -> (b, heads, t, head_dim); heads: this rank's, under TP
+        q, k, v = (
+            z(x).view(b, t, -1, self.head_dim).transpose(1, 2) for z in (self.q, self.k, self.v)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

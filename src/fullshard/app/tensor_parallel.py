@@ -10,12 +10,10 @@ Plans (Megatron's): column-wise for the matrices that fan out (attention's q, k,
 and gate), row-wise for the ones that fan back in (attention's output; the MLP's down), so each
 block all-reduces twice in forward and twice in backward.
 
-- Llama-style Hugging Face blocks (separate ``q_proj``/``k_proj``/``v_proj``): attention heads
-  and the MLP are split; heads must divide by N (key/value heads too).
-- The built-in GPT fuses q, k and v into one ``qkv`` matrix, which a column-wise split would cut
-  across q, k and v rather than across heads: its MLP is split and its attention stays
-  replicated on the TP ranks (same input, same result, gradients reduced over data parallel
-  only). Splitting its heads needs the fused matrix laid out per head; not done yet.
+- Llama-style Hugging Face blocks (``q_proj``/``k_proj``/``v_proj``/``o_proj``, ``gate_proj``/
+  ``up_proj``/``down_proj``) and the built-in GPT (``attn.q``/``k``/``v``/``proj``, ``mlp.fc``/
+  ``proj``): attention heads and the MLP are split; heads must divide by N (key/value heads
+  too). Norms and embeddings stay replicated on the TP ranks (same input, same result).
 """
 
 from __future__ import annotations
@@ -40,7 +38,14 @@ _LLAMA = {
     "mlp.up_proj": "col",
     "mlp.down_proj": "row",
 }
-_GPT = {"mlp.fc": "col", "mlp.proj": "row"}
+_GPT = {
+    "attn.q": "col",
+    "attn.k": "col",
+    "attn.v": "col",
+    "attn.proj": "row",
+    "mlp.fc": "col",
+    "mlp.proj": "row",
+}
 
 
 def block_plan(block: nn.Module) -> dict[str, str]:
@@ -66,10 +71,14 @@ def check_divisible(block: nn.Module, tp: int) -> None:
                 f"--tp {tp}: {name} of {type(block).__name__} has {size} "
                 f"{'outputs' if kind == 'col' else 'inputs'}, not divisible by {tp}"
             )
-    attn = getattr(block, "self_attn", None)
-    config = getattr(attn, "config", None)
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, key, None)
+    config = getattr(getattr(block, "self_attn", None), "config", None)
+    counts = {
+        key: getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads")
+    }
+    counts["attention heads"] = getattr(
+        getattr(block, "attn", None), "n_head", None
+    )  # built-in GPT
+    for key, heads in counts.items():
         if isinstance(heads, int) and heads % tp:
             raise ConfigError(f"--tp {tp}: the model has {heads} {key}, not divisible by {tp}")
 
