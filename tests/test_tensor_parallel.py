@@ -107,7 +107,10 @@ def _parity(rank: int, world: int, tp: int, hsdp: bool) -> dict:
 
 @pytest.mark.parametrize(("world", "tp", "hsdp"), [(4, 2, False), (4, 2, True)])
 def test_fsdp_times_tp_matches_one_process(world: int, tp: int, hsdp: bool) -> None:
-    for r in run_ranks(_parity, world, tp, hsdp, timeout_s=180):
+    results = run_ranks(_parity, world, tp, hsdp, timeout_s=180)
+    worst = {k: max(r[k] for r in results) for k in ("diff", "export_diff", "norm_diff")}
+    print(f"\n{'HSDP' if hsdp else 'FSDP'} x TP{tp} at {world} ranks, float64: {worst}")
+    for r in results:
         assert r["dtensor"]
         assert r["diff"] <= 1e-12, r
         assert r["export_diff"] <= 1e-12, r
@@ -213,3 +216,36 @@ def test_train_tp2_on_4_ranks_follows_2_data_parallel_ranks(tmp_path: str, model
     assert tp["world_size"] == 4 and dp["world_size"] == 2
     for key in ("start_loss", "end_loss", "final_val_loss"):
         assert tp[key] == pytest.approx(dp[key], abs=1e-5), key
+
+
+def _cuda_tp_mesh(rank: int, world: int) -> str:
+    # a TP mesh of another device type than the data-parallel mesh: only a GPU machine can build
+    # one, so the spec's mesh is stood in for by one that says "cuda"
+    import dataclasses
+    import types
+
+    from fullshard.engine import collect
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    block = MLP()
+    parallelize_module(block, mesh["tp"], {"up": ColwiseParallel()})
+    real = collect.TPSpec.of
+
+    def of(param: torch.Tensor) -> collect.TPSpec | None:
+        spec = real(param)
+        fake = types.SimpleNamespace(device_type="cuda", size=lambda: 2, ndim=1)
+        return None if spec is None else dataclasses.replace(spec, mesh=fake)  # type: ignore[arg-type]
+
+    collect.TPSpec.of = staticmethod(of)  # type: ignore[method-assign]
+    try:
+        fully_shard(block, mesh=mesh["dp"])
+    except FullshardError as e:
+        return str(e)
+    finally:
+        collect.TPSpec.of = staticmethod(real)  # type: ignore[method-assign]
+    return ""
+
+
+def test_a_tp_mesh_of_another_device_type_is_refused_on_every_rank() -> None:
+    for msg in run_ranks(_cuda_tp_mesh, 4):
+        assert "up.weight" in msg and "'cuda' mesh" in msg and "init_device_mesh" in msg
