@@ -4,6 +4,7 @@ with FSDP2's all-gather hooks is gathered through them (one all-gather per unit)
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
@@ -102,3 +103,34 @@ def test_extension_units_still_gather_once(fake_pg: tuple[int, int]) -> None:
     assert c.calls["all_gather"] == 3, dict(c.calls)
     assert isinstance(model[2].weight._local_tensor, QuantWeight)
     assert model[2].weight._local_tensor.gathers == 2
+
+
+def test_meta_init_then_to_empty_keeps_the_subclass(fake_pg: tuple[int, int]) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(12, 13), nn.Linear(13, 5))
+    quantize_linears(model)
+    fully_shard(model[0])
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        nn.init.normal_(p)
+    local = model[0].weight._local_tensor
+    assert isinstance(local, QuantWeight) and not local.is_meta
+    model(torch.randn(2, 12)).sum().backward()
+    assert model[0].weight.grad is not None
+    # the optimizer's update lands in the values the next gather quantizes
+    before = local._data.clone()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert not torch.equal(model[0].weight._local_tensor._data, before)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is not None, reason="torchao is installed here"
+)
+def test_float8_option_without_torchao_fails_at_wrap_time(fake_pg: tuple[int, int]) -> None:
+    from toy import Block, ToyLM
+
+    from fullshard.app.wrap import shard_model
+
+    with pytest.raises(FullshardError, match=r"rank 1: .*pip install torchao"):
+        shard_model(ToyLM(), "full_shard", [Block], float8=True)

@@ -164,6 +164,7 @@ def _train(
         mixed_precision=cfg.mixed_precision,
         shard_size=cfg.shard_size,
         activation_checkpointing=cfg.activation_checkpointing,
+        float8=cfg.float8,
     )
     opt = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)
