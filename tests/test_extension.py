@@ -223,3 +223,22 @@ def _mismatch(rank: int, world: int) -> str:
 def test_mismatched_hook_shapes_fail_on_every_rank() -> None:
     for res in run_ranks(_mismatch, 2):
         assert "differ across ranks" in res and "'weight'" in res, res
+
+
+def _one_rank_quantized(rank: int, world: int) -> str:
+    from fullshard import fully_shard
+    from fullshard.policies import FullshardError
+
+    lin = torch.nn.Linear(4, 4, bias=False)
+    if rank == 1:
+        quantize_linears(lin)
+    try:
+        fully_shard(lin)
+    except FullshardError as e:
+        return str(e)
+    return ""
+
+
+def test_a_subclass_on_some_ranks_only_fails_at_fully_shard() -> None:
+    for res in run_ranks(_one_rank_quantized, 2):
+        assert "differs across ranks" in res and "(QuantWeight)" in res, res
