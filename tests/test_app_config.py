@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import fields
 from pathlib import Path
 
@@ -120,3 +121,11 @@ def load_toml_text(text: str, tmp_path: Path) -> dict:
     path = tmp_path / "resolved.toml"
     path.write_text(text)
     return load_toml(str(path))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is not None, reason="torchao is installed here"
+)
+def test_float8_without_torchao_names_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"pip install torchao .*fullshard\[float8\]"):
+        validate(TrainConfig(float8=True), 2)

@@ -137,6 +137,13 @@ class TrainConfig:
         group="sharding",
         choices=MIXED_PRECISION,
     )
+    float8: bool = _opt(
+        False,
+        "train the blocks' linear layers in float8 and all-gather their weights as float8 "
+        "(torchao's Float8Linear with enable_fsdp_float8_all_gather; needs torchao, "
+        "pip install 'fullshard[float8]', and a GPU with float8 matmuls, e.g. H100)",
+        group="sharding",
+    )
     # evaluation and output
     eval_every: int = _opt(
         100, "evaluate on the validation split every N steps (0: only at the end)", group="output"
@@ -459,6 +466,14 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"--seq-len {cfg.seq_len} exceeds model {name!r}'s context of "
             f"{MODEL_SIZES[name].max_seq_len} tokens"
         )
+    if cfg.float8 and cfg.tp > 1:
+        raise ConfigError("--float8 with --tp is not supported yet: drop one of them")
+    if cfg.float8:
+        from fullshard.app.wrap import float8_missing
+
+        missing = float8_missing()
+        if missing:
+            raise ConfigError(missing)
     from fullshard.app.launch import check_devices
 
     # No device is touched: the same verdict on every rank, and in the CLI before launching.

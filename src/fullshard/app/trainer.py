@@ -167,6 +167,7 @@ def _train(
         shard_size=cfg.shard_size,
         tp=cfg.tp,
         activation_checkpointing=cfg.activation_checkpointing,
+        float8=cfg.float8,
     )
     opt = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)

@@ -6,6 +6,7 @@ one :class:`~fullshard.engine.sharding.ShardingPlan` (the same units, the same h
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterable
 
@@ -16,10 +17,13 @@ from torch import nn
 from fullshard import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_
 from fullshard.engine.parallelize import apply_plan, mesh_device_type
 from fullshard.engine.sharding import ShardingPlan, plan_sharding
+from fullshard.policies import FullshardError
 
 __all__ = [
     "MIXED_PRECISION_DTYPES",
     "clip_gradients",
+    "convert_float8",
+    "float8_missing",
     "set_gradient_sync",
     "shard_model",
 ]
@@ -36,14 +40,15 @@ def shard_model(
     shard_size: int = 0,
     activation_checkpointing: bool = False,
     tp: int = 1,
+    float8: bool = False,
 ) -> ShardingPlan:
     """Shard ``model``: every submodule of a type in ``unit_types`` becomes one unit, then the root.
 
     ``strategy`` is a ``ShardingStrategy`` name; the hybrid ones shard inside groups of
     ``shard_size`` ranks (0: :func:`~fullshard.engine.sharding.hybrid_shard_size`) and replicate
     across the groups. ``tp`` > 1: tensor parallel over that many consecutive ranks inside each
-    block first (``fullshard.app.tensor_parallel``), the strategy over the rest. Returns the plan
-    that was applied.
+    block first (``fullshard.app.tensor_parallel``), the strategy over the rest. ``float8``:
+    :func:`convert_float8` first. Returns the plan that was applied.
     """
     dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     # Gradients are reduced in float32 even when computing in bf16/fp16: summing N ranks' low
@@ -52,6 +57,10 @@ def shard_model(
     types = tuple(unit_types)
     if not any(isinstance(m, types) and m is not model for m in model.modules()):
         raise ValueError(f"model {type(model).__name__} has no submodule of type {types}")
+    if float8:
+        if tp > 1:  # the engine refuses hooked TP-local tensors (FSDP2 supports them)
+            raise FullshardError("--float8 with --tp is not supported yet; drop one of them")
+        convert_float8(model, types)
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) // tp
     plan = plan_sharding(
@@ -69,6 +78,56 @@ def shard_model(
         model, plan, mesh=mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing
     )
     return plan
+
+
+def float8_missing() -> str:
+    """Why ``--float8`` cannot run here ('' when it can): torchao is an optional dependency."""
+    if importlib.util.find_spec("torchao") is not None:
+        return ""
+    return (
+        "--float8 trains linear layers with torchao's float8 training (Float8Linear, float8 "
+        "all-gather), but torchao is not installed. Install it on every node: "
+        "pip install torchao (or pip install 'fullshard[float8]'), or drop --float8."
+    )
+
+
+def convert_float8(model: nn.Module, unit_types: tuple[type[nn.Module], ...]) -> list[str]:
+    """Swap the ``nn.Linear`` layers inside the units for torchao's ``Float8Linear`` whose
+    weights all-gather as float8 (NOTE [All-gather extensions]); returns their names.
+
+    Left in high precision, as torchtitan does: layers outside the units (e.g. the output head),
+    layers whose sizes are not multiples of 16 (float8 matmul needs them) and weights tied to
+    another module (swapping would untie them). Raises on every rank without torchao.
+    """
+    missing = float8_missing()
+    if missing:
+        raise FullshardError(f"rank {dist.get_rank()}: {missing}")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    inside = {id(m) for u in model.modules() if isinstance(u, unit_types) for m in u.modules()}
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    chosen: list[str] = []
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        ok = (
+            isinstance(mod, nn.Linear)
+            and id(mod) in inside
+            and mod.in_features % 16 == 0
+            and mod.out_features % 16 == 0
+            and seen.get(id(mod.weight), 0) == 1
+        )
+        if ok:
+            chosen.append(fqn)
+        return ok
+
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    for name in frozen:  # torchao's from_float makes frozen weights trainable (pytorch/ao#1871)
+        model.get_parameter(name).requires_grad_(False)
+    return chosen
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard.dist.mesh import MeshInfo
-from fullshard.engine.param import TPSpec
+from fullshard.engine.extension import extension_problem, is_tensor_subclass
+from fullshard.engine.param import TPSpec, local_of
 from fullshard.policies import FullshardError
 
 if TYPE_CHECKING:
@@ -170,7 +172,8 @@ def param_device(found: list[Found]) -> torch.device | None:
 def check_params(
     found: list[Found], children: list[FSDPState], unit_name: str, modules: list[nn.Module]
 ) -> None:
-    """Parameters a unit cannot manage: sharded elsewhere, tied across units, 0-dim, integer."""
+    """Parameters a unit cannot manage: sharded elsewhere, tied across units, 0-dim, integer,
+    tensor subclasses without the all-gather hooks (NOTE [All-gather extensions])."""
     from fullshard.engine.api import FSDPModule
 
     child_path = {
@@ -198,6 +201,7 @@ def check_params(
                     f"fully_shard on '{path}' on its own (its parent's unit will hold both), or "
                     "untie the weights."
                 )
+        check_subclass(p, fqn, unit_name)  # first: a lazy parameter has no dim()
         if p.dim() == 0:
             raise FullshardError(
                 f"parameter '{fqn}' of {unit_name} is 0-dim; fullshard shards along dim 0. "
@@ -208,3 +212,20 @@ def check_params(
                 f"parameter '{fqn}' of {unit_name} has dtype {p.dtype}; only floating-point "
                 "parameters can be sharded and trained. Register it as a buffer instead."
             )
+
+
+def check_subclass(p: torch.Tensor, fqn: str, unit_name: str) -> None:
+    """A tensor-subclass parameter is sharded only through FSDP2's all-gather extension hooks
+    (NOTE [All-gather extensions]); anything else would silently lose what the subclass does."""
+    local = local_of(p)
+    where = f"rank {dist.get_rank()}: parameter '{fqn}' of {unit_name}"
+    problem = extension_problem(local)
+    if problem is not None:
+        raise FullshardError(f"{where} {problem}")
+    if local is not p and is_tensor_subclass(local):
+        raise FullshardError(
+            f"{where} is a tensor-parallel DTensor whose local tensor is a "
+            f"{type(local).__name__} (all-gather extension hooks); fullshard does not shard "
+            "those yet. Use the subclass without tensor parallelism (e.g. float8 all-gather "
+            "with FSDP only), or torch's FSDP2 for FSDP x TP with it."
+        )

@@ -21,14 +21,22 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fullshard.dist.control import all_gather_objects
 from fullshard.dist.mesh import MeshInfo
+from fullshard.engine.extension import is_tensor_subclass
+from fullshard.engine.param import local_of
 from fullshard.policies import FullshardError
 
 Signature = list[tuple[str, tuple[int, ...], str, bool]]
 
 
 def signature(entries: Sequence[tuple[list[str], torch.Tensor, Any]]) -> Signature:
-    """What must be equal across ranks: names, shapes, dtypes, trainability."""
-    return [(fqns[0], tuple(p.shape), str(p.dtype), p.requires_grad) for fqns, p, _ in entries]
+    """What must be equal across ranks: names, shapes, dtypes (with the tensor subclass, which
+    decides what the all-gather sends: NOTE [All-gather extensions]), trainability."""
+    return [(fqns[0], tuple(p.shape), _dtype(p), p.requires_grad) for fqns, p, _ in entries]
+
+
+def _dtype(p: torch.Tensor) -> str:
+    local = local_of(p)
+    return f"{p.dtype} ({type(local).__name__})" if is_tensor_subclass(local) else str(p.dtype)
 
 
 def _differences(sigs: list[Signature], group_ranks: list[int]) -> list[str]:

@@ -82,8 +82,7 @@ class FSDPState:
                 m.register_forward_hook(self.post_forward, prepend=False),
             ]
         for p in unit.trainable:
-            assert p.unsharded is not None
-            p.unsharded.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+            p.on_grad_accumulated(self._on_grad_accumulated)
 
     # -- root -----------------------------------------------------------------------------
     def lazy_init(self) -> None:

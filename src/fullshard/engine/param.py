@@ -26,6 +26,7 @@ output. The engine itself only ever touches the local tensors (``ShardedParam.lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +179,9 @@ class ShardedParam:
         self.tp = tp  # NOTE [Tensor parallel parameters]; ``shape`` is then the TP-local one
         self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by set_sharded_data
         self.unsharded: nn.Parameter | None = None
+        # NOTE [All-gather extensions] (extension.py): wraps a flat-buffer view as the subclass
+        self.wrap_local: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.grad_hooks: list[Callable[[torch.Tensor], None]] = []
 
     @property
     def local(self) -> torch.Tensor:
@@ -262,6 +266,8 @@ class ShardedParam:
         The ``nn.Parameter`` object is kept where possible (an optimizer may hold it); only a
         first call or a change of device (meta -> cpu) needs a new one.
         """
+        if self.wrap_local is not None:
+            view = self.wrap_local(view)
         if isinstance(self.sharded, DTensor) and self.sharded.device == view.device:
             self.sharded._local_tensor = view  # type: ignore[attr-defined]  # as FSDP2 does
         else:
@@ -307,6 +313,19 @@ class ShardedParam:
         for m, n in self.refs:
             m._parameters[n] = current
         return True
+
+    def on_grad_accumulated(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """``hook`` runs after each gradient accumulation into the gathered parameter, also one
+        made later (an all-gather extension's, at its first gather)."""
+        self.grad_hooks.append(hook)
+        if self.unsharded is not None:
+            self.unsharded.register_post_accumulate_grad_hook(hook)
+
+    def set_unsharded(self, param: nn.Parameter) -> None:
+        """Adopt a gathered parameter made elsewhere (NOTE [All-gather extensions])."""
+        self.unsharded = param
+        for hook in self.grad_hooks:
+            param.register_post_accumulate_grad_hook(hook)
 
     def make_unsharded(self, view: torch.Tensor) -> nn.Parameter:
         """Create (or re-point) the gathered parameter on ``view``.

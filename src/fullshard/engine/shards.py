@@ -5,7 +5,10 @@ adapters on a bf16 base) has one group per dtype; they still travel in one colle
 (NOTE [Mixed-dtype units] in unit.py). A group builds its flat buffer from full tensors
 (``load``), notices when ``_apply`` (``to_empty``, ``.to()``) replaced the shards
 (``detached``) and copies them back (``reattach``), and owns the gathered storage whose views the
-modules see while the unit is gathered.
+modules see while the unit is gathered. Parameters gathered through FSDP2's all-gather
+extension hooks (tensor subclasses such as float8 weights) form groups of their own, whose
+all-gather sends what the hooks return (``ExtensionGroup``, NOTE [All-gather extensions] in
+extension.py); the methods below that an ``ExtensionGroup`` overrides say so.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ GROUP_ALIGN_BYTES = 16
 
 class ShardGroup:
     """The parameters of one unit that share a dtype, and their buffers."""
+
+    extension = False  # an ExtensionGroup (NOTE [All-gather extensions])
 
     def __init__(
         self,
@@ -113,7 +118,7 @@ class ShardGroup:
             return True
         start = self.flat.data_ptr() if not self.flat.is_meta else -1
         for i, p in enumerate(self.params):
-            t = p.local
+            t = self.values(p)
             if t.is_meta != self.flat.is_meta or t.device != self.flat.device:
                 return True
             if t.is_meta or t.numel() == 0:
@@ -136,15 +141,57 @@ class ShardGroup:
                         f"({world} ranks). Do not replace sharded parameters with tensors of "
                         "another shape."
                     )
-                view.copy_(p.local.detach())
+                view.copy_(self.values(p).detach())
                 p.set_sharded_data(view)
         self.flat = flat
         self.build_storage()
+
+    def values(self, p: ShardedParam) -> torch.Tensor:
+        """The plain tensor holding ``p``'s rows (an extension's local tensor wraps it)."""
+        return p.local
 
     def wire(self) -> torch.Tensor:
         """This rank's shard as the all-gather sends it: on the compute device, in the compute
         dtype (the flat buffer itself when nothing needs to change)."""
         return self.flat.to(self.mesh.device, self.compute_dtype, non_blocking=True)
+
+    # -- the all-gather (the unit concatenates its groups' parts; NOTE [Mixed-dtype units]) ---
+    def wire_parts(self) -> list[torch.Tensor]:
+        """What this group adds to the unit's send buffer; the last part ends in the tag when
+        this group carries it."""
+        return [self.wire()]
+
+    def wire_width(self, wire_dtype: torch.dtype) -> int:
+        """Columns of the rank-major gather output (in ``wire_dtype``) this group's part takes."""
+        n = self.layout.shard_numel
+        if wire_dtype == torch.uint8:  # a byte buffer of several dtypes
+            n *= torch.empty((), dtype=self.compute_dtype).element_size()
+        return n
+
+    @property
+    def tail_dtype(self) -> torch.dtype:
+        """The dtype of the position tag when this group carries it."""
+        return self.compute_dtype
+
+    def copy_out(self, cols: torch.Tensor, tails: torch.Tensor | None) -> None:
+        """This group's columns of the gather output -> its gathered storage (the tag -> tails)."""
+        self.storage.alloc()
+        if cols.dtype != self.compute_dtype:
+            cols = cols.view(self.compute_dtype)
+        with torch.no_grad():
+            self.layout.copy_out(cols, self.storage.flat, tails if self.layout.tail else None)
+
+    def gather_locally(self) -> None:
+        """One rank: the gather is a cast or a host-to-device copy (none when aliased)."""
+        if self.aliased or not self.params:
+            return
+        self.storage.alloc()
+        with torch.no_grad():
+            self.storage.flat.copy_(self.flat, non_blocking=True)
+
+    def free(self) -> None:
+        """Release the gathered memory (NOTE [Freeing while autograd holds a view])."""
+        self.storage.free()
 
     @property
     def nbytes(self) -> int:

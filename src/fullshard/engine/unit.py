@@ -17,7 +17,10 @@ Parameters of several dtypes in one unit (fp32 LoRA adapters on a bf16 base) for
 one all-gather: the groups' (cast) shards are concatenated, in the compute dtype when the policy
 gives every group the same one, else as bytes (each group padded to 16 bytes so every dtype stays
 aligned). Gradients are reduced in one dtype, so a unit whose trainable parameters compute in
-different dtypes needs ``MixedPrecisionPolicy(reduce_dtype=...)``.
+different dtypes needs ``MixedPrecisionPolicy(reduce_dtype=...)``. Parameters gathered through
+all-gather extension hooks (float8 weights) form groups of their own after the others, and send
+what their hooks return, as bytes (NOTE [All-gather extensions] in extension.py): the unit still
+moves in one all-gather.
 
 NOTE [Resharding to a smaller group]
 ``reshard_after_forward=k`` (an int, FSDP2's): after forward each rank keeps its rows of the
@@ -44,6 +47,7 @@ from fullshard.dist.desync import (
     write_static_tag,
 )
 from fullshard.dist.mesh import MeshInfo
+from fullshard.engine.extension import ExtensionGroup, has_extension_hooks
 from fullshard.engine.param import GatheredStorage, ShardedParam
 from fullshard.engine.shards import ShardGroup
 from fullshard.engine.streams import Event, Streams, streams_for
@@ -151,27 +155,35 @@ class CommUnit(ReduceGrads):
     def _make_groups(
         self, params: list[ShardedParam], originals: list[torch.Tensor]
     ) -> list[ShardGroup]:
-        """NOTE [Mixed-dtype units]: one group per dtype, widest first (alignment in bytes)."""
-        dtypes = sorted(
-            {t.dtype for t in originals}, key=lambda d: -torch.empty((), dtype=d).element_size()
-        ) or [torch.float32]
+        """NOTE [Mixed-dtype units]: one group per dtype, widest first (alignment in bytes), then
+        one per dtype of the parameters gathered through extension hooks; the last group carries
+        the position tag."""
+
+        def width(d: torch.dtype) -> int:
+            return -torch.empty((), dtype=d).element_size()
+
+        kinds: list[tuple[bool, torch.dtype]] = []
+        for ext in (False, True):
+            dtypes = {t.dtype for t in originals if has_extension_hooks(t) == ext}
+            kinds += [(ext, d) for d in sorted(dtypes, key=width)]
+        kinds = kinds or [(False, torch.float32)]
         world = self.mesh.world_size
-        groups = []
-        for i, dtype in enumerate(dtypes):
-            members = [p for p, t in zip(params, originals, strict=True) if t.dtype == dtype]
+        groups: list[ShardGroup] = []
+        for i, (ext, dtype) in enumerate(kinds):
+            pairs = [
+                (p, t)
+                for p, t in zip(params, originals, strict=True)
+                if t.dtype == dtype and has_extension_hooks(t) == ext
+            ]
+            members = [p for p, _ in pairs]
             compute = self.mp_policy.param_dtype or dtype
             # the tag ends the last group, so it ends what is sent
-            tail = TAG_LEN if world > 1 and i == len(dtypes) - 1 else 0
-            g = ShardGroup(
-                members,
-                dtype,
-                compute,
-                self.mesh,
-                self.shard_device,
-                self.pin_memory,
-                tail,
-                align=len(dtypes) > 1,
-            )
+            tail = TAG_LEN if world > 1 and i == len(kinds) - 1 else 0
+            args = (members, dtype, compute, self.mesh, self.shard_device, self.pin_memory)
+            if ext:
+                g: ShardGroup = ExtensionGroup(*args, tail, [t for _, t in pairs], self.mp_policy)
+            else:
+                g = ShardGroup(*args, tail, align=len(kinds) > 1)
             g.unit_name = self.comm.unit
             groups.append(g)
         return groups
@@ -243,6 +255,12 @@ class CommUnit(ReduceGrads):
 
     def set_post_forward_group(self, size: int) -> None:
         """NOTE [Resharding to a smaller group] (``reshard_after_forward=size``)."""
+        if any(g.extension for g in self.groups):
+            raise FullshardError(
+                f"unit '{self.name}' has parameters gathered through all-gather extension hooks "
+                "(tensor subclasses, e.g. float8 weights); reshard_after_forward as an int is not "
+                "supported for them (nor in torch FSDP2). Pass True or False."
+            )
         if len(self.groups) > 1:
             raise FullshardError(
                 f"unit '{self.name}' mixes dtypes; reshard_after_forward as an int is supported "
@@ -299,7 +317,7 @@ class CommUnit(ReduceGrads):
         """This rank's whole unit as one send buffer (NOTE [Mixed-dtype units]), its position
         tag at the end (NOTE [Collective positions]: written into what is sent, a copy when
         cast)."""
-        parts = [g.wire() for g in self.groups]
+        parts = [t for g in self.groups for t in g.wire_parts()]
         write_dynamic_tag(parts[-1][-TAG_LEN:], pos)
         if len(parts) == 1:
             return parts[0]
@@ -317,10 +335,7 @@ class CommUnit(ReduceGrads):
         assert flight is not None
         if flight.pending is None:
             for g in self.groups:
-                if not g.aliased and g.params:
-                    g.storage.alloc()  # one rank: the gather is a cast or a host-to-device copy
-                    with torch.no_grad():
-                        g.storage.flat.copy_(g.flat, non_blocking=True)
+                g.gather_locally()  # one rank: a cast or a host-to-device copy, or nothing
         else:
             assert flight.out is not None and flight.send is not None and flight.position
             s = self.streams
@@ -356,20 +371,13 @@ class CommUnit(ReduceGrads):
             return tails
         world = self.mesh.world_size
         rows = flight.out.view(world, -1)
-        tail_dtype = self.groups[-1].compute_dtype  # the last group carries the tag
+        tail_dtype = self.groups[-1].tail_dtype  # the last group carries the tag
         tails = torch.empty(world, TAG_LEN, dtype=tail_dtype, device=rows.device)
         start = 0
         for g in self.groups:
-            g.storage.alloc()
-            width = g.layout.shard_numel
-            if rows.dtype == torch.uint8:  # a byte buffer of several dtypes
-                width *= torch.empty((), dtype=g.compute_dtype).element_size()
-            cols = rows[:, start : start + width]
+            width = g.wire_width(rows.dtype)
+            g.copy_out(rows[:, start : start + width], tails)
             start += width
-            if cols.dtype != g.compute_dtype:
-                cols = cols.view(g.compute_dtype)
-            with torch.no_grad():
-                g.layout.copy_out(cols, g.storage.flat, tails if g.layout.tail else None)
         return tails
 
     def reshard(self, after_forward: bool = False) -> None:
@@ -383,7 +391,7 @@ class CommUnit(ReduceGrads):
             for p in self.params:
                 p.expose(unsharded=False)
             for g in self.groups:
-                g.storage.free()
+                g.free()
             self.state = UnitState.SHARDED
 
     def _keep_post_forward_shard(self) -> None:
