@@ -24,7 +24,7 @@ from fullshard.engine.collect import (
 )
 from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, signature
 from fullshard.engine.cpu_rng import install_cpu_shard_rng
-from fullshard.engine.hooks import FSDPState
+from fullshard.engine.hooks import FSDPState, outside_compile
 from fullshard.engine.local_step import LOCAL_STEPS
 from fullshard.engine.param import ShardedParam, local_of
 from fullshard.engine.state_dict_hooks import install_state_dict_hooks
@@ -64,6 +64,7 @@ class FSDPModule:
             "weights with state_dict()/load_state_dict()."
         )
 
+    @outside_compile  # NOTE [Hooks run outside torch.compile]
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this unit's parameters now (``async_op=True``: return a handle to wait on)."""
         unit = self._fullshard_state.unit
@@ -74,6 +75,7 @@ class FSDPModule:
         handle.wait()
         return None
 
+    @outside_compile  # NOTE [Hooks run outside torch.compile]
     def reshard(self) -> None:
         """Free this unit's gathered parameters (the modules see the shards again)."""
         self._fullshard_state.unit.reshard()
