@@ -249,3 +249,20 @@ def _cuda_tp_mesh(rank: int, world: int) -> str:
 def test_a_tp_mesh_of_another_device_type_is_refused_on_every_rank() -> None:
     for msg in run_ranks(_cuda_tp_mesh, 4):
         assert "up.weight" in msg and "'cuda' mesh" in msg and "init_device_mesh" in msg
+
+
+def _int_reshard(rank: int, world: int) -> str:
+    # dp 4 (so 2 is a smaller group than the shard group) and a TP mesh of one rank
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
+    block = MLP()
+    parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    try:
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=2)
+    except FullshardError as e:
+        return str(e)
+    return ""
+
+
+def test_an_int_reshard_after_forward_is_refused_for_tp_units() -> None:
+    for msg in run_ranks(_int_reshard, 4):
+        assert "tensor-parallel" in msg and "reshard_after_forward=2" in msg

@@ -290,6 +290,12 @@ def fully_shard(
     raf = _reshard_arg(reshard_after_forward, info, unit_name)
     check_params(found, children, unit_name, modules)
     tp = check_tensor_parallel(found, info, unit_name)
+    if any(tp) and isinstance(raf, int) and not isinstance(raf, bool):
+        raise FullshardError(
+            f"{unit_name} (rank {info.rank}) holds tensor-parallel parameters; "
+            f"reshard_after_forward={raf} (resharding to a smaller group) is not supported for "
+            "them (nor by FSDP2): pass True or False."
+        )
     entries = [(f.fqns, f.param, f.refs) for f in found]
     check_same_model(unit_name, signature(entries), info)
     # a tensor-parallel parameter is sharded by its local tensor (NOTE [Tensor parallel
