@@ -43,7 +43,11 @@ __all__ = ["add_trace_arguments", "run_trace"]
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fullshard trace`` (every one documented in ``--help``)."""
-    p.add_argument("--model", default="small", help="built-in model size (default: small, ~10M)")
+    p.add_argument(
+        "--model",
+        default="small",
+        help="a built-in size (tiny, demo, small, gpt2-124m, 1b, 7b) or hf:NAME (default: small)",
+    )
     p.add_argument(
         "--strategy", default="full_shard", choices=STRATEGY_NAMES, help="sharding strategy"
     )
