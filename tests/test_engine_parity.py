@@ -12,7 +12,7 @@ import pytest
 import torch
 from commcount import C10dCounter
 from harness import run_ranks
-from toy import ToyLM, batches, full_params, loss_of, shard_toy
+from toy import ToyLM, batches, full_params, loss_of, reference_step, shard_toy
 
 
 def _train(
@@ -40,16 +40,7 @@ def _train(
         gathers.append(counter.calls["all_gather"])
         opt.step()
         opt.zero_grad()
-        ref_losses = []
-        for r in range(world):
-            ref_loss = loss_of(ref, data[step][r])
-            ref_loss.backward()
-            ref_losses.append(ref_loss.item())
-        for p in ref.parameters():
-            if p.grad is not None:
-                p.grad.div_(world)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_losses = reference_step(ref, ref_opt, [data[step][r] for r in range(world)])
         loss_diff = max(loss_diff, abs(loss.item() - ref_losses[rank]))
         losses.append(loss.item())
     got = full_params(model)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from commcount import RS, C10dCounter
 from harness import run_ranks
 from quant_toy import QuantWeight, fake_quant, quantize_linears
-from toy import ToyLM, batches, full_params, loss_of, shard_toy
+from toy import ToyLM, batches, full_params, loss_of, reference_step, shard_toy
 
 WIRES = {"float8": torch.float8_e4m3fn, "int8": torch.int8}
 
@@ -65,16 +65,7 @@ def _parity(rank: int, world: int, wire_name: str, scale: str, pad: bool, steps:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_losses = []
-        for r in range(world):
-            ref_loss = loss_of(ref, data[step][r])
-            ref_loss.backward()
-            ref_losses.append(ref_loss.item())
-        for p in ref.parameters():
-            if p.grad is not None:
-                p.grad.div_(world)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ref_losses = reference_step(ref, ref_opt, [data[step][r] for r in range(world)])
         loss_diff = max(loss_diff, abs(loss.item() - ref_losses[rank]))
         losses.append(loss.item())
     got, want = full_params(model), ref.state_dict()

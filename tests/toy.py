@@ -92,3 +92,21 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     for k, v in model.state_dict().items():
         out[k] = v.full_tensor() if isinstance(v, DTensor) else v
     return out
+
+
+def reference_step(
+    ref: nn.Module, opt: torch.optim.Optimizer, rank_batches: list[torch.Tensor]
+) -> list[float]:
+    """One optimizer step of the one-process reference fed every rank's batch, its gradients
+    averaged as the sharded model's are; returns each rank's loss."""
+    losses = []
+    for batch in rank_batches:
+        loss = loss_of(ref, batch)
+        loss.backward()
+        losses.append(loss.item())
+    for p in ref.parameters():
+        if p.grad is not None:
+            p.grad.div_(len(rank_batches))
+    opt.step()
+    opt.zero_grad()
+    return losses
