@@ -293,6 +293,25 @@ def _ladder(psi: float, n: int, compute_bytes: int, k: float) -> Ladder:
     )
 
 
+class _Walk:
+    """The peaks of one phase walked moment by moment: each category's own peak, and the
+    peak of their sum on top of the ``static`` bytes (shards and optimizer state)."""
+
+    def __init__(self, static: float) -> None:
+        self.static = static
+        self.peak = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
+        self.total = 0.0
+
+    def visit(self, **now: float) -> None:
+        for c in MEMORY_CATEGORIES:
+            self.peak[c] = max(self.peak[c], now.get(c, 0.0))
+        self.total = max(self.total, self.static + sum(now.values()))
+
+    def phase(self, name: str, shards: float, states: float) -> PhaseMemory:
+        peaks = {**self.peak, "sharded_params": shards, "optimizer_state": states}
+        return PhaseMemory(name, **peaks, total=self.total)
+
+
 def build_plan(
     units: list[UnitCost],
     world_size: int,
@@ -372,15 +391,8 @@ def build_plan(
     # (comm_buffers), so the gathered window is the unit computing (and the root) while the next
     # one is in flight. Activations grow as units finish; the root's head and the loss add theirs
     # at the end, when no block is gathered any more (under FULL_SHARD).
-    fpeak = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
-    ftotal = 0.0
-
-    def fvisit(**now: float) -> None:
-        nonlocal ftotal
-        for c in MEMORY_CATEGORIES:
-            fpeak[c] = max(fpeak[c], now.get(c, 0.0))
-        ftotal = max(ftotal, static + sum(now.values()))
-
+    fwalk = _Walk(static)
+    fvisit = fwalk.visit
     done_acts = sum(act(u) - u.tail_bytes for u in root)
     fvisit(
         gathered_window=root_gathered,
@@ -400,23 +412,15 @@ def build_plan(
         gathered_window=root_gathered + (0.0 if raf else sum(gathered(b) for b in blocks)),
         activations=done_acts + sum(u.tail_bytes for u in root),
     )
-    window_f = fpeak["gathered_window"]
-    fpeak.update(sharded_params=shards, optimizer_state=states)
-    fwd = PhaseMemory("forward", **fpeak, total=ftotal)
+    window_f = fwalk.peak["gathered_window"]
+    fwd = fwalk.phase("forward", shards, states)
 
     # -- backward: root first (its head), then blocks in reverse; walk and take the max.
     # Unsharded gradients count as "gradients" (as the memory tracker does) until reduced.
     root_params = root_gathered
     root_grads = sum(ugrad(u) for u in root)
-    peak = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
-    peak_total = 0.0
-
-    def visit(**now: float) -> None:
-        nonlocal peak_total
-        for c in MEMORY_CATEGORIES:
-            peak[c] = max(peak[c], now.get(c, 0.0))
-        peak_total = max(peak_total, static + sum(now.values()))
-
+    bwalk = _Walk(static)
+    visit = bwalk.visit
     last = blocks[-1] if blocks else None
     # Start: the loss and the root's head run backward; every activation is still held and
     # the last block is being gathered (prefetch, or still gathered under SHARD_GRAD_OP).
@@ -459,8 +463,7 @@ def build_plan(
         comm_buffers=sum(rs_buffers(u) for u in root) + (rs_buffers(prev) if prev else 0.0),
     )
     visit(gradients=all_grads)
-    peak.update(sharded_params=shards, optimizer_state=states)
-    bwd = PhaseMemory("backward", **peak, total=peak_total)
+    bwd = bwalk.phase("backward", shards, states)
 
     step = PhaseMemory(
         "optimizer",
