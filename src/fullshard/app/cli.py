@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--key", default="model", help="state-dict section holding the weights (default: model)"
     )
+    _add_prepare_parser(sub)
     _add_plan_parser(sub)
     trace = sub.add_parser(
         "trace",
@@ -89,6 +90,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench)
     return parser
+
+
+PREPARE_EPILOG = """\
+examples:
+  fullshard prepare corpus/ --out data/corpus-byte           # byte tokens, one worker per CPU
+  fullshard prepare shards/*.jsonl --out data/c --tokenizer tok/ --workers 8
+  fullshard train --data data/corpus-byte                    # trains from the memory-mapped shards
+  fullshard prepare --verify data/corpus-byte                # re-hash every shard
+
+Re-running with the same inputs and options does nothing. The folder is complete once its
+index.json exists (written last).
+"""
+
+
+def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from fullshard.app.prepare import add_prepare_arguments
+
+    prepare = sub.add_parser(
+        "prepare",
+        help="tokenize a corpus once, in parallel, into token shards that train memory-maps",
+        description="Read text files, folders, JSONL, Parquet or Arrow files, tokenize them in "
+        "parallel worker processes and stream the tokens to shard files with an index, split "
+        "into train and validation as fullshard train splits text. Train on the result with "
+        "fullshard train --data DIR.",
+        epilog=PREPARE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add_prepare_arguments(prepare)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from fullshard.app.prepare import run_prepare
+
+    return run_prepare(args)
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -221,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "prepare":
+            return _prepare(args)
         if args.command == "plan":
             return _plan(args)
         if args.command == "trace":

@@ -65,8 +65,9 @@ class TrainConfig:
     )
     data: str | None = _opt(
         None,
-        "training text: a file, or a folder of .txt/.md/.rst files (default: Python's bundled "
-        "documentation topics, pydoc_data.topics)",
+        "training text: a file, a folder of .txt/.md/.rst files, or a folder made by fullshard "
+        "prepare (token shards, memory-mapped; its split and tokenizer are checked) (default: "
+        "Python's bundled documentation topics, pydoc_data.topics)",
         group="model and data",
     )
     tokenizer: str = _opt(

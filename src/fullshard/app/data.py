@@ -4,6 +4,10 @@ The default corpus is the English prose of Python's own documentation, shipped w
 as ``pydoc_data.topics.topics`` (the text ``help("if")`` shows; PSF license): real text on every
 machine, with no download.
 
+A corpus prepared by ``fullshard prepare`` (:mod:`fullshard.app.prepare`) is read from its token
+shards instead (:class:`fullshard.app.token_shards.TokenShards`): the same split, the same
+sampler, without tokenizing or holding the corpus.
+
 Splitting (every rank computes the same split from the same corpus, whatever the world size):
 the token stream is cut into blocks of ``VAL_BLOCK`` tokens and an evenly spaced ``val_fraction``
 of the blocks is held out for validation. Evenly spaced rather than "the last 5%" because a
@@ -26,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from fullshard.app.config import ConfigError
+from fullshard.app.token_shards import TensorTokens, TokenShards, TokenSource, is_prepared
 
 __all__ = [
     "ByteTokenizer",
@@ -36,7 +41,9 @@ __all__ = [
     "default_corpus",
     "encode_corpus",
     "eval_batches",
+    "held_out_block",
     "load_text",
+    "load_tokens",
     "split_for_rank",
     "split_sizes",
     "windows",
@@ -125,10 +132,16 @@ def load_text(path: str | None) -> str:
     raise FileNotFoundError(f"data path {path} does not exist: give a text file or a folder")
 
 
+def held_out_block(b: int, val_fraction: float) -> bool:
+    """Whether block ``b`` is held out for validation: when the running count floor(b * f)
+    steps up, so blocks are evenly spaced, ``int(b * f)`` of them come before block ``b``, and
+    the answer depends on ``b`` alone (``fullshard prepare`` splits while streaming)."""
+    return int((b + 1) * val_fraction) > int(b * val_fraction)
+
+
 def _held_out(n_blocks: int, val_fraction: float) -> list[bool]:
-    # Block b is held out when the running count floor(b * f) steps up: evenly spaced, and
-    # exactly floor(n_blocks * f) blocks in all.
-    return [int((b + 1) * val_fraction) > int(b * val_fraction) for b in range(n_blocks)]
+    # exactly floor(n_blocks * f) blocks in all
+    return [held_out_block(b, val_fraction) for b in range(n_blocks)]
 
 
 def split_sizes(n_tokens: int, world_size: int, val_fraction: float) -> tuple[int, int]:
@@ -146,10 +159,13 @@ def windows(n_tokens: int, seq_len: int) -> int:
     return max(0, (n_tokens - seq_len) // (seq_len + 1))
 
 
-def split_for_rank(
-    tokens: torch.Tensor, rank: int, world_size: int, val_fraction: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's disjoint (train, validation) slices of the token stream (see module doc)."""
+def split_for_rank(tokens: Any, rank: int, world_size: int, val_fraction: float) -> tuple[Any, Any]:
+    """This rank's disjoint (train, validation) slices of the token stream (see module doc).
+
+    ``tokens``: a tensor, or a prepared corpus (:class:`TokenShards`, split when it was
+    prepared, with the same arithmetic; its ``val_fraction`` is checked before launch)."""
+    if isinstance(tokens, TokenShards):
+        return tokens.rank_split(rank, world_size)
     blocks = list(torch.split(tokens, VAL_BLOCK))
     is_val = _held_out(len(blocks), val_fraction)
     train = torch.cat([blk for blk, v in zip(blocks, is_val, strict=True) if not v] or [tokens[:0]])
@@ -161,6 +177,7 @@ def split_for_rank(
 class RankBatches:
     """Seeded (input, target) batches of windows from one rank's slice, with a resumable position.
 
+    ``tokens``: a tensor or any :class:`TokenSource` (a prepared corpus's memory-mapped stream).
     Each epoch cuts the slice into non-overlapping windows of ``seq_len + 1`` tokens from a random
     start offset, and visits them in a random order; both come from a generator seeded by
     ``(seed, rank, epoch)``, so the position is fully described by ``state_dict()`` (epoch and
@@ -168,9 +185,16 @@ class RankBatches:
     """
 
     def __init__(
-        self, tokens: torch.Tensor, seq_len: int, batch_size: int, *, seed: int, rank: int
+        self,
+        tokens: torch.Tensor | TokenSource,
+        seq_len: int,
+        batch_size: int,
+        *,
+        seed: int,
+        rank: int,
     ) -> None:
-        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.tokens = _source(tokens)
+        self.seq_len, self.batch_size = seq_len, batch_size
         self.seed, self.rank = seed, rank
         self.epoch, self.cursor, self.batches_drawn = 0, 0, 0
         if self.windows_per_epoch() < batch_size:
@@ -188,20 +212,24 @@ class RankBatches:
     def _epoch_order(self) -> torch.Tensor:
         # Seed mixes epoch and rank so that each (rank, epoch) pair gets its own stream.
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + self.epoch)
-        offset = int(torch.randint(0, self.seq_len + 1, (1,), generator=gen))
-        starts = offset + torch.arange(self.windows_per_epoch()) * (self.seq_len + 1)
-        return starts[torch.randperm(len(starts), generator=gen)]
+        self._offset = int(torch.randint(0, self.seq_len + 1, (1,), generator=gen))
+        # Only the permutation is kept, as int32 where it fits (4 bytes per window, not the 16+
+        # of materialized int64 starts): torch's CPU randperm draws the same permutation for
+        # every dtype, so the order is the one int64 starts[randperm] gave.
+        n = self.windows_per_epoch()
+        dtype = torch.int32 if n < 2**31 else torch.int64
+        return torch.randperm(n, generator=gen, dtype=dtype)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``(inputs, targets)``, each ``(batch_size, seq_len)`` int64."""
         if self.cursor + self.batch_size > len(self._order):
             self.epoch, self.cursor = self.epoch + 1, 0
             self._order = self._epoch_order()
-        starts = self._order[self.cursor : self.cursor + self.batch_size]
+        window = self._order[self.cursor : self.cursor + self.batch_size].long()
+        starts = self._offset + window * (self.seq_len + 1)
         self.cursor += self.batch_size
         self.batches_drawn += 1
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
-        chunk = self.tokens[idx].long()
+        chunk = self.tokens.gather(starts, self.seq_len + 1)
         return chunk[:, :-1], chunk[:, 1:]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -227,21 +255,35 @@ class RankBatches:
 
 
 def eval_batches(
-    tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int
+    tokens: torch.Tensor | TokenSource, seq_len: int, batch_size: int, max_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed, consecutive validation batches from one rank's validation slice.
 
     Deterministic (no sampling) so that validation losses are comparable across evaluations.
     Every rank's slice has the same length, so every rank gets the same number of batches.
     """
-    n_windows = (len(tokens) - 1) // seq_len
+    source = _source(tokens)
+    n_windows = (len(source) - 1) // seq_len
     n_batches = min(max_batches, n_windows // batch_size)
     out = []
     for b in range(n_batches):
         starts = (torch.arange(batch_size) + b * batch_size) * seq_len
-        chunk = tokens[starts[:, None] + torch.arange(seq_len + 1)[None, :]].long()
+        chunk = source.gather(starts, seq_len + 1)
         out.append((chunk[:, :-1], chunk[:, 1:]))
     return out
+
+
+def _source(tokens: torch.Tensor | TokenSource) -> TokenSource:
+    return TensorTokens(tokens) if isinstance(tokens, torch.Tensor) else tokens
+
+
+def load_tokens(path: str | None, tokenizer: Tokenizer) -> torch.Tensor | TokenShards:
+    """The training tokens of ``--data path``: a prepared folder opened as :class:`TokenShards`
+    (nothing is read yet), else the text encoded in memory."""
+    if is_prepared(path):
+        assert path is not None
+        return TokenShards(path, tokenizer.vocab_size)
+    return encode_corpus(load_text(path), tokenizer)
 
 
 def encode_corpus(text: str, tokenizer: Tokenizer) -> torch.Tensor:

@@ -26,9 +26,8 @@ from fullshard.app.config import ConfigError, TrainConfig, to_toml, validate
 from fullshard.app.data import (
     RankBatches,
     build_tokenizer,
-    encode_corpus,
     eval_batches,
-    load_text,
+    load_tokens,
     split_for_rank,
 )
 from fullshard.app.faults import NonFiniteError, agree_nonfinite, fault_from_env
@@ -130,14 +129,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run one training job on this rank; returns the run summary (on every rank)."""
     validate(cfg, world_size_from_env(cfg.nproc))
     tokenizer = build_tokenizer(cfg.tokenizer)
-    tokens = encode_corpus(load_text(cfg.data), tokenizer)
+    tokens = load_tokens(cfg.data, tokenizer)  # a prepared folder is memory-mapped, not read
     with rank_session(cfg.device, cfg.timeout, cfg.backend) as info:
         return _train(cfg, info, tokenizer, tokens)
 
 
-def _train(
-    cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: torch.Tensor
-) -> dict[str, Any]:
+def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dict[str, Any]:
     rank, world, device = info.rank, info.world_size, info.device
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads)

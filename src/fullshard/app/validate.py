@@ -181,7 +181,11 @@ def _text_files(path: str) -> list[Path]:
 def _check_data(cfg: TrainConfig, world_size: int) -> None:
     """The corpus is not empty, and (byte tokens) gives every rank one training micro-batch."""
     from fullshard.app.data import default_corpus, load_text, split_sizes, windows
+    from fullshard.app.token_shards import is_prepared
 
+    if is_prepared(cfg.data):
+        _check_prepared(cfg, world_size)
+        return
     source = f"--data {cfg.data}" if cfg.data else "--data (default: the built-in corpus)"
     size = 0
     if cfg.data is not None:
@@ -212,6 +216,56 @@ def _check_data(cfg: TrainConfig, world_size: int) -> None:
             f"{cfg.val_fraction} is held out, each of {world_size} ranks gets {train:,} training "
             f"tokens, and one micro-batch of {micro} sequences of --seq-len {cfg.seq_len} needs "
             f"{need:,}. Give more text, or a smaller --batch-size, --seq-len or --nproc"
+        )
+
+
+def _check_prepared(cfg: TrainConfig, world_size: int) -> None:
+    """A prepared folder (``fullshard prepare``): its index, tokenizer and split agree with the
+    flags, its shard files are intact (NOTE [Verifying token shards]: re-hashed only when their
+    stat changed), every id is inside the vocabulary, and every data-parallel rank gets a batch.
+    All from the index and file stats: the cost does not grow with the corpus."""
+    from fullshard.app.data import windows
+    from fullshard.app.token_shards import (
+        describe_tokenizer,
+        read_index,
+        tokenizer_identity,
+        verify_shards,
+    )
+
+    assert cfg.data is not None
+    source = f"--data {cfg.data}"
+    index = read_index(cfg.data)
+    prepared, mine = index["tokenizer"], tokenizer_identity(cfg.tokenizer)
+    if prepared.get("kind") != mine["kind"] or prepared.get("sha256") != mine.get("sha256"):
+        raise ConfigError(
+            f"{source} was prepared with {describe_tokenizer(prepared)}, but --tokenizer "
+            f"{cfg.tokenizer} is {describe_tokenizer(mine)}: train with the tokenizer it was "
+            f"prepared with, or prepare it again with --tokenizer {cfg.tokenizer}"
+        )
+    if index["val_fraction"] != cfg.val_fraction:
+        raise ConfigError(
+            f"{source} was split with --val-fraction {index['val_fraction']} when it was "
+            f"prepared, not {cfg.val_fraction}: train with --val-fraction {index['val_fraction']}"
+            ", or prepare it again"
+        )
+    verify_shards(cfg.data, full=False)
+    vocab = int(prepared["vocab_size"])
+    for split in ("train", "val"):
+        for shard in index["splits"][split]["shards"]:
+            if shard["max_token_id"] >= vocab:
+                raise ConfigError(
+                    f"{Path(cfg.data) / shard['file']}: token id {shard['max_token_id']} is "
+                    f"outside the tokenizer's vocabulary of {vocab}: prepare the corpus again"
+                )
+    micro = cfg.micro_batch(world_size)
+    dp = world_size // cfg.tp
+    train = int(index["splits"]["train"]["tokens"]) // dp
+    if windows(train, cfg.seq_len) < micro:
+        raise ConfigError(
+            f"{source}: {index['tokens']:,} tokens are too few for one training batch: each of "
+            f"{dp} ranks gets {train:,} training tokens, and one micro-batch of {micro} "
+            f"sequences of --seq-len {cfg.seq_len} needs {micro * (cfg.seq_len + 1) + cfg.seq_len:,}"
+            ". Give more text, or a smaller --batch-size, --seq-len or --nproc"
         )
 
 

@@ -1,0 +1,661 @@
+"""``fullshard prepare``: tokenize a corpus once, in parallel, streaming to token shards on disk.
+
+Inputs are read as *documents*, in order: a text file is one document (read in chunks cut at a
+newline), a JSONL line's ``text`` field is one, a Parquet or Arrow row's ``text`` column is one.
+A folder contributes its files in sorted order, recursively. Documents are joined with ``"\\n\\n"``
+exactly as :func:`fullshard.app.data.load_text` joins a folder's files, and the token stream is
+split into train and validation while it streams by, with the block arithmetic of
+:func:`fullshard.app.data.split_for_rank` (block ``b`` is held out by ``_held_out``, which depends
+on ``b`` alone). So for the byte tokenizer, preparing a file or a text folder gives exactly the
+streams the in-memory path trains on, and training from either gives the same losses.
+
+Nothing holds the corpus: the main process reads chunks of a few MiB, worker processes tokenize
+them (a bounded number in flight), and the main process writes the results in order (the output
+does not depend on ``--workers``). Files are written to a staging folder and moved in when all is
+done, ``index.json`` last (see :mod:`fullshard.app.token_shards` for the format), so an interrupted
+run never leaves a folder that looks complete, and bad input leaves no partial output.
+
+A Hugging Face tokenizer's text is tokenized chunk by chunk (a chunk ends at a newline), and the
+``"\\n\\n"`` between documents on its own: ids can differ from tokenizing the whole concatenated
+text at those boundaries (never for the byte tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fullshard.app.config import ConfigError
+from fullshard.app.data import TEXT_SUFFIXES, VAL_BLOCK, held_out_block
+from fullshard.app.token_shards import (
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX,
+    SPLITS,
+    dtype_for_vocab,
+    read_index,
+    shard_files,
+    tokenizer_identity,
+    verify_shards,
+    write_json_atomic,
+)
+
+__all__ = ["PrepareOptions", "add_prepare_arguments", "input_files", "prepare", "run_prepare"]
+
+DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow")
+SEPARATOR = "\n\n"  # between documents, as load_text joins files
+DEFAULT_SHARD_TOKENS = 256 << 20
+PYARROW_HINT = "pip install 'fullshard[data]' (or pip install pyarrow)"
+Segment = tuple[str, bool]  # (text, starts a document)
+
+
+@dataclass
+class PrepareOptions:
+    """What ``fullshard prepare`` does (see ``fullshard prepare --help``)."""
+
+    inputs: list[str]
+    out: str
+    tokenizer: str = "byte"
+    val_fraction: float = 0.05
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    workers: int = 0  # 0: one per CPU
+    chunk_chars: int = 4 << 20  # characters read per chunk (tests use small chunks)
+    progress: bool = True
+
+
+def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``fullshard prepare``."""
+    parser.add_argument(
+        "inputs", nargs="*", metavar="INPUT",
+        help="text files (one document each), .jsonl (a 'text' field per line), .parquet / "
+        ".arrow (a 'text' column; Hugging Face dataset files on disk), or folders of them "
+        f"(recursively: {', '.join(TEXT_SUFFIXES + DATA_SUFFIXES)})",
+    )  # fmt: skip
+    parser.add_argument("--out", "-o", metavar="DIR", help="output folder (created if missing)")
+    parser.add_argument(
+        "--tokenizer", default="byte",
+        help="'byte' (UTF-8 bytes) or a local Hugging Face tokenizer directory (default: byte)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--val-fraction", type=float, default=0.05,
+        help="fraction held out for validation, in evenly spaced 4096-token blocks, as "
+        "fullshard train splits text (default: 0.05)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+        help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS}, 256 Mi)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--workers", type=int, default=0,
+        help="tokenizer worker processes (default 0: one per CPU; 1: in this process)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--verify", metavar="DIR",
+        help="re-hash every shard of the prepared folder DIR against its index (and record "
+        "their current mtimes, so start-ups trust them again), instead of preparing",
+    )  # fmt: skip
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=True,
+        help="show a progress bar on stderr (on a terminal)",
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+
+
+def input_files(inputs: list[str]) -> list[Path]:
+    """The files to read, in order: each input file as given, each folder's files sorted."""
+    if not inputs:
+        raise ConfigError("no input: give text/JSONL/Parquet files or folders, and --out DIR")
+    files: list[Path] = []
+    for spec in inputs:
+        p = Path(spec)
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            found = sorted(
+                f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + DATA_SUFFIXES
+            )
+            if not found:
+                raise ConfigError(
+                    f"{spec}: the folder holds no input files "
+                    f"({', '.join(TEXT_SUFFIXES + DATA_SUFFIXES)})"
+                )
+            files.extend(found)
+        else:
+            raise ConfigError(f"{spec} does not exist: give a file or a folder")
+    if any(f.suffix in (".parquet", ".arrow") for f in files):
+        _pyarrow(next(f for f in files if f.suffix in (".parquet", ".arrow")))
+    return files
+
+
+def _pyarrow(path: Path) -> Any:
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"{path}: reading {path.suffix} files needs pyarrow: {PYARROW_HINT}"
+        ) from None
+    return pyarrow
+
+
+def _fingerprint(files: list[Path]) -> list[dict[str, Any]]:
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append({"path": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def _text_pieces(path: Path, chunk_chars: int, advance: Callable[[int], None]) -> Iterator[str]:
+    """A text file as chunks cut after a newline, decoded as ``load_text`` decodes it (UTF-8,
+    invalid bytes replaced, universal newlines), so the pieces join to exactly its text."""
+    with open(path, "rb") as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+        carry, pos = "", 0
+        while chunk := text.read(chunk_chars):
+            chunk = carry + chunk
+            cut = chunk.rfind("\n") + 1 or len(chunk)  # no newline at all: cut anywhere
+            carry = chunk[cut:]
+            advance(raw.tell() - pos)
+            pos = raw.tell()
+            yield chunk[:cut]
+        if carry:
+            yield carry
+
+
+def _records(path: Path, advance: Callable[[int], None]) -> Iterator[str]:
+    """The ``text`` of each record of a JSONL, Parquet or Arrow file."""
+    if path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                advance(len(line))
+                if not line.strip():
+                    continue  # a blank line (often the last) is no record
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    raise ConfigError(f"{path}:{lineno}: malformed JSON ({exc})") from None
+                text = record.get("text") if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise ConfigError(
+                        f'{path}:{lineno}: no "text" field (a string): each line must be a '
+                        'JSON object like {"text": "..."}'
+                    )
+                yield text
+        return
+    pa = _pyarrow(path)
+    size = max(path.stat().st_size, 1)
+    if path.suffix == ".parquet":
+        pf = pa.parquet.ParquetFile(path)
+        if "text" not in pf.schema_arrow.names:
+            raise ConfigError(
+                f"{path}: no 'text' column (columns: {', '.join(pf.schema_arrow.names)})"
+            )
+        rows = max(pf.metadata.num_rows, 1)
+        batches: Iterator[Any] = pf.iter_batches(batch_size=1024, columns=["text"])
+    else:
+        source = pa.memory_map(str(path))
+        try:  # datasets.save_to_disk writes the IPC stream format; accept the file format too
+            reader = pa.ipc.open_stream(source)
+            batches = iter(reader)
+        except pa.ArrowInvalid:
+            reader = pa.ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        rows = 0
+    row = 0
+    for batch in batches:
+        if "text" not in batch.schema.names:
+            raise ConfigError(
+                f"{path}: no 'text' column (columns: {', '.join(batch.schema.names)})"
+            )
+        for text in batch.column(batch.schema.get_field_index("text")).to_pylist():
+            row += 1
+            if not isinstance(text, str):
+                raise ConfigError(f"{path}: row {row} has no text ({text!r} in the 'text' column)")
+            yield text
+        advance(size * len(batch) // rows if rows else 0)
+    if not rows:
+        advance(size)
+
+
+def _documents(
+    files: list[Path], chunk_chars: int, advance: Callable[[int], None]
+) -> Iterator[Iterator[str]]:
+    """Each document as its pieces of text."""
+    for f in files:
+        if f.suffix in DATA_SUFFIXES:
+            for text in _records(f, advance):
+                yield iter((text,))
+        else:
+            yield _text_pieces(f, chunk_chars, advance)
+
+
+def _segment_batches(
+    files: list[Path], chunk_chars: int, advance: Callable[[int], None], stats: dict[str, int]
+) -> Iterator[list[Segment]]:
+    """Batches of about ``chunk_chars`` characters of segments: separators and document text."""
+    batch: list[Segment] = []
+    size = 0
+    for n, pieces in enumerate(_documents(files, chunk_chars, advance)):
+        if n:
+            batch.append((SEPARATOR, False))
+        stats["documents"] += 1
+        first = True
+        for piece in pieces:
+            batch.append((piece, first))
+            stats["chars"] += len(piece)
+            size, first = size + len(piece), False
+            if size >= chunk_chars:
+                yield batch
+                batch, size = [], 0
+        if first:  # an empty document still starts (and has no text)
+            batch.append(("", True))
+    if batch:
+        yield batch
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizing (in worker processes)
+
+_ENCODE: Callable[[list[str]], list[np.ndarray]] | None = None
+
+
+def _init_worker(spec: str, fast: bool, dtype: str) -> None:
+    """Build this process's encoder: ``spec``'s tokenizer, producing ``dtype`` arrays."""
+    global _ENCODE
+    if spec == "byte":
+
+        def encode(texts: list[str]) -> list[np.ndarray]:
+            # "replace": JSON may carry lone surrogates, which UTF-8 cannot encode
+            return [np.frombuffer(t.encode("utf-8", "replace"), np.uint8) for t in texts]
+
+    elif fast:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(spec) / "tokenizer.json"))
+
+        def encode(texts: list[str]) -> list[np.ndarray]:
+            encs = tok.encode_batch(texts, add_special_tokens=False)
+            return [np.asarray(e.ids, dtype=dtype) for e in encs]
+
+    else:
+        from fullshard.app.data import HFTokenizer
+
+        slow = HFTokenizer(spec)
+
+        def encode(texts: list[str]) -> list[np.ndarray]:
+            return [np.asarray(slow.encode(t), dtype=dtype) for t in texts]
+
+    _ENCODE = encode
+
+
+def _encode(segments: list[Segment]) -> tuple[np.ndarray, list[int]]:
+    """Tokens of a batch of segments, concatenated, and each segment's token count."""
+    assert _ENCODE is not None, "worker not initialised"
+    arrays = _ENCODE([text for text, _ in segments])
+    return np.concatenate(arrays) if arrays else np.zeros(0, np.uint8), [len(a) for a in arrays]
+
+
+PROBE = (
+    "Hello, world! The  quick\tbrown fox -- 1234.5678 jumps.\n\nNew paragraph:\r\n  indented "
+    "line, naïve café 日本語 🙂 émoji\n\n\n trailing spaces   \nend"
+)
+
+
+def fast_tokenizer_matches(spec: str) -> bool:
+    """Whether ``tokenizers.Tokenizer.from_file(spec/tokenizer.json)`` gives the ids that
+    :class:`~fullshard.app.data.HFTokenizer` gives (without special tokens) on a probe text.
+    The fast tokenizer is cheap to load in each worker; when it disagrees (a tokenizer whose
+    Python class adds its own processing), workers load the transformers tokenizer instead."""
+    path = Path(spec) / "tokenizer.json"
+    if not path.is_file():
+        return False
+    from tokenizers import Tokenizer
+
+    from fullshard.app.data import HFTokenizer
+
+    fast, slow = Tokenizer.from_file(str(path)), HFTokenizer(spec)
+    probes = [PROBE, *PROBE.split("\n"), SEPARATOR, ""]
+    return all(fast.encode(t, add_special_tokens=False).ids == slow.encode(t) for t in probes)
+
+
+def _encoded(
+    batches: Iterator[list[Segment]], workers: int, init: tuple[str, bool, str]
+) -> Iterator[tuple[list[Segment], np.ndarray, list[int]]]:
+    """Tokenize batches in ``workers`` processes, yielding results in input order with a bounded
+    number in flight (memory stays flat however large the corpus)."""
+    if workers <= 1:
+        _init_worker(*init)
+        for batch in batches:
+            yield (batch, *_encode(batch))
+        return
+    # fork: workers start in milliseconds and need not import torch (spawn re-imports fullshard)
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=init)
+    pending: deque[Any] = deque()
+    try:
+        for batch in batches:
+            pending.append((batch, ex.submit(_encode, batch)))
+            if len(pending) >= 2 * workers:
+                done, fut = pending.popleft()
+                yield (done, *fut.result())
+        while pending:
+            done, fut = pending.popleft()
+            yield (done, *fut.result())
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+
+
+class _HashedFile:
+    """A file written once, hashed as it is written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.bytes, self._h = path, 0, hashlib.sha256()
+        self._f = open(path, "wb")  # noqa: SIM115 - closed by close()
+
+    def write(self, data: bytes) -> None:
+        self._f.write(data)
+        self._h.update(data)
+        self.bytes += len(data)
+
+    def close(self) -> dict[str, Any]:
+        self._f.flush()
+        os.fsync(self._f.fileno())  # on disk before the index can commit it
+        self._f.close()
+        return {"file": self.path.name, "bytes": self.bytes, "sha256": self._h.hexdigest()}
+
+
+class _SplitWriter:
+    """One split's token shards (cut every ``shard_tokens`` tokens) and document offsets."""
+
+    def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int) -> None:
+        self.folder, self.split, self.shard_tokens = folder, split, shard_tokens
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.tokens = 0
+        self.shards: list[dict[str, Any]] = []
+        self._cur: _HashedFile | None = None
+        self._n = self._max = 0
+        self._docs = _HashedFile(folder / f"{split}.docs.bin")
+        self.documents = 0
+
+    def add_doc_starts(self, offsets: list[int]) -> None:
+        self._docs.write(np.asarray(offsets, dtype="<u8").tobytes())
+        self.documents += len(offsets)
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self._cur is None:
+                name = f"{self.split}-{len(self.shards):05d}.bin"
+                self._cur, self._n, self._max = _HashedFile(self.folder / name), 0, 0
+            part = tokens[: self.shard_tokens - self._n]
+            self._cur.write(part.astype(self.dtype, copy=False).tobytes())
+            self._n += len(part)
+            self._max = max(self._max, int(part.max()))
+            self.tokens += len(part)
+            tokens = tokens[len(part) :]
+            if self._n == self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        assert self._cur is not None
+        self.shards.append({**self._cur.close(), "tokens": self._n, "max_token_id": self._max})
+        self._cur = None
+
+    def finish(self) -> dict[str, Any]:
+        if self._cur is not None:
+            self._close_shard()
+        docs = {**self._docs.close(), "documents": self.documents}
+        return {"tokens": self.tokens, "shards": self.shards, "doc_starts": docs}
+
+
+class _Splitter:
+    """Routes the token stream to train or validation, block by block (see the module doc)."""
+
+    def __init__(self, val_fraction: float, train: _SplitWriter, val: _SplitWriter) -> None:
+        self.f, self.out, self.pos = val_fraction, (train, val), 0
+
+    def _held(self, block: int) -> bool:
+        return held_out_block(block, self.f)
+
+    def doc_start(self, p: int) -> None:
+        """Record a document starting at stream position ``p`` in the split its block is in."""
+        block = p // VAL_BLOCK
+        held = self._held(block)
+        # blocks 0..block-1 hold int(block * f) held-out blocks (the running count of _held_out)
+        val_before = int(block * self.f) * VAL_BLOCK + (p - block * VAL_BLOCK if held else 0)
+        self.out[held].add_doc_starts([val_before if held else p - val_before])
+
+    def write(self, tokens: np.ndarray) -> None:
+        i, n = 0, len(tokens)
+        while i < n:
+            held = self._held(self.pos // VAL_BLOCK)
+            end = (self.pos // VAL_BLOCK + 1) * VAL_BLOCK
+            while end - self.pos < n - i and self._held(end // VAL_BLOCK) == held:
+                end += VAL_BLOCK  # runs of same-side blocks in one write
+            k = min(n - i, end - self.pos)
+            self.out[held].write(tokens[i : i + k])
+            i, self.pos = i + k, self.pos + k
+
+
+# ----------------------------------------------------------------------------------------------
+# the command
+
+
+def _options(opts: PrepareOptions, identity: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """What the output depends on besides the inputs (``--workers`` and the bar do not count)."""
+    return {
+        "tokenizer": identity,
+        "dtype": dtype,
+        "val_fraction": opts.val_fraction,
+        "val_block": VAL_BLOCK,
+        "shard_tokens": opts.shard_tokens,
+        "chunk_chars": opts.chunk_chars,
+    }
+
+
+def _up_to_date(out: Path, inputs: list[dict[str, Any]], options: dict[str, Any]) -> bool:
+    try:
+        index = read_index(out)
+    except ConfigError:
+        return False
+    if index.get("inputs") != inputs or index.get("options") != options:
+        return False
+    try:
+        verify_shards(out, full=False)  # stats as recorded: nothing is re-hashed
+    except ConfigError:
+        return False
+    return True
+
+
+def _check_options(opts: PrepareOptions) -> None:
+    if not opts.out:
+        raise ConfigError("give the output folder: --out DIR")
+    if not 0.0 <= opts.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {opts.val_fraction}")
+    if opts.shard_tokens < 1 or opts.workers < 0 or opts.chunk_chars < 1:
+        raise ConfigError("--shard-tokens must be at least 1 and --workers at least 0")
+    if opts.tokenizer != "byte" and not Path(opts.tokenizer).is_dir():
+        raise ConfigError(
+            f"--tokenizer {opts.tokenizer!r} is neither 'byte' nor a local tokenizer directory"
+        )
+    if Path(opts.out).exists() and not Path(opts.out).is_dir():
+        raise ConfigError(f"--out {opts.out} is a file: give a folder (it is created if missing)")
+
+
+def prepare(opts: PrepareOptions) -> dict[str, Any]:
+    """Tokenize ``opts.inputs`` into the prepared folder ``opts.out``; returns the index (or
+    the existing one, untouched, when it is up to date)."""
+    _check_options(opts)
+    files = input_files(opts.inputs)
+    vocab = 256
+    if opts.tokenizer != "byte":
+        from fullshard.app.data import HFTokenizer
+
+        vocab = HFTokenizer(opts.tokenizer).vocab_size
+    identity = tokenizer_identity(opts.tokenizer, vocab)
+    dtype = dtype_for_vocab(vocab)
+    out = Path(opts.out)
+    inputs, options = _fingerprint(files), _options(opts, identity, dtype)
+    if _up_to_date(out, inputs, options):
+        print(f"fullshard prepare: {out} is up to date (same inputs and options); nothing to do")
+        return read_index(out)
+
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(".prepare-*"):  # an interrupted run's staging folder
+        shutil.rmtree(stale, ignore_errors=True)
+    stage = out / f".prepare-{os.getpid()}"
+    stage.mkdir()
+    try:
+        index = _write(opts, files, stage, identity, dtype, vocab)
+        index.update(inputs=inputs, options=options)
+        _commit(out, stage, index)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    return index
+
+
+def _write(
+    opts: PrepareOptions,
+    files: list[Path],
+    stage: Path,
+    identity: dict[str, Any],
+    dtype: str,
+    vocab: int,
+) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    workers = opts.workers or os.cpu_count() or 1
+    fast = opts.tokenizer != "byte" and fast_tokenizer_matches(opts.tokenizer)
+    total_bytes = sum(f.stat().st_size for f in files)
+    writers = {s: _SplitWriter(stage, s, dtype, opts.shard_tokens) for s in SPLITS}
+    splitter = _Splitter(opts.val_fraction, writers["train"], writers["val"])
+    stats = {"documents": 0, "chars": 0}
+    start = time.perf_counter()
+    bar = tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
+        disable=None if opts.progress else True, dynamic_ncols=True,
+    )  # fmt: skip
+    with bar:
+        batches = _segment_batches(files, opts.chunk_chars, bar.update, stats)
+        for segments, tokens, lengths in _encoded(batches, workers, (opts.tokenizer, fast, dtype)):
+            offset = 0
+            for (_, starts_doc), n in zip(segments, lengths, strict=True):
+                if starts_doc:
+                    splitter.doc_start(splitter.pos + offset)
+                offset += n
+            if len(tokens) and int(tokens.max()) >= vocab:
+                raise ConfigError(
+                    f"tokenizer {opts.tokenizer} produced id {int(tokens.max())} >= its "
+                    f"vocabulary of {vocab}"
+                )
+            splitter.write(tokens)
+    seconds = time.perf_counter() - start
+    if stats["chars"] == 0:
+        what = ", ".join(opts.inputs)
+        raise ConfigError(
+            f"{what}: no text to prepare ({stats['documents']} document(s), all empty): give "
+            "files or records with text"
+        )
+    splits = {s: w.finish() for s, w in writers.items()}
+    mb = total_bytes / 1e6
+    print(
+        f"fullshard prepare: {stats['documents']:,} documents from {len(files)} file(s): "
+        f"{mb:,.1f} MB read, {splitter.pos:,} tokens written (train {splits['train']['tokens']:,}"
+        f", val {splits['val']['tokens']:,}) in {seconds:.1f} s, {mb / max(seconds, 1e-9):,.1f} "
+        f"MB/s ({workers} worker(s){', fast tokenizer' if fast else ''})",
+        flush=True,
+    )
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "dtype": dtype,
+        "tokenizer": identity,
+        "val_fraction": opts.val_fraction,
+        "val_block": VAL_BLOCK,
+        "documents": stats["documents"],
+        "tokens": splitter.pos,
+        "splits": splits,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _stat_records(folder: Path, index: dict[str, Any]) -> None:
+    """Record each file's current mtime in ``index`` (see NOTE [Verifying token shards])."""
+    for split in SPLITS:
+        entry = index["splits"][split]
+        for rec in [*entry["shards"], entry["doc_starts"]]:
+            rec["mtime_ns"] = (folder / rec["file"]).stat().st_mtime_ns
+
+
+def _commit(out: Path, stage: Path, index: dict[str, Any]) -> None:
+    """Move the staged files in and write the index last: until the new index lands, the folder
+    has none (an interrupted commit never looks complete)."""
+    old = out / INDEX
+    previous: list[str] = []
+    if old.is_file():
+        try:
+            previous = list(shard_files(read_index(out)))
+        except (ConfigError, KeyError):
+            previous = []
+        old.unlink()
+    for name in previous:  # the old run's files that the new one does not overwrite
+        (out / name).unlink(missing_ok=True)
+    for f in stage.iterdir():
+        os.replace(f, out / f.name)
+    stage.rmdir()
+    _stat_records(out, index)
+    write_json_atomic(out / INDEX, index)
+
+
+def verify(folder: str) -> str:
+    """``fullshard prepare --verify``: re-hash every file; when all match, record their stats."""
+    n = sum(verify_shards(folder, full=True))
+    index = read_index(folder)
+    _stat_records(Path(folder), index)
+    write_json_atomic(Path(folder) / INDEX, index)
+    return f"fullshard prepare: {folder}: all {n} files match their checksums"
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """The ``fullshard prepare`` command."""
+    if args.verify is not None:
+        if args.inputs or args.out:
+            raise ConfigError("--verify DIR checks a prepared folder: give no inputs or --out")
+        if not (Path(args.verify) / INDEX).is_file():
+            raise ConfigError(f"--verify {args.verify}: no {INDEX}: not a prepared folder")
+        print(verify(args.verify))
+        return 0
+    opts = PrepareOptions(**{k: getattr(args, k) for k in asdict(_DEFAULTS) if hasattr(args, k)})
+    prepare(opts)
+    return 0
+
+
+_DEFAULTS = PrepareOptions(inputs=[], out="")
