@@ -220,6 +220,8 @@ def test_malformed_flags_are_usage_errors(argv: list[str], capsys: pytest.Captur
         ("trace", ["trace", "--model", "gpt9"], "unknown model 'gpt9'"),
         ("bench", ["bench", "--variants", "zero3"], "unknown bench variant"),
         ("plan", ["plan", "--check", "--devices", "2", "--model", "gpt9"], "unknown model"),
+        ("prepare", ["prepare", "empties", "--out", "o"], "no text to prepare"),
+        ("prepare", ["prepare", "binaries", "--out", "o"], "the folder holds no input files"),
     ],
 )
 def test_console_entry(command: str, argv: list[str], message: str, workdir: Path) -> None:
