@@ -184,7 +184,8 @@ def test_hf_tokenizer_workers_give_the_transformers_ids(
         assert fast.encode(text, add_special_tokens=False).ids == hf.encode(text)
     assert corpus_stream.fast_tokenizer_matches(str(bpe_dir))
     docs, folder = _records(tmp_path)
-    ts = _prepare([folder], tmp_path / "fast", tokenizer=str(bpe_dir), workers=2)
+    # small batches: many go through the pool, and come back in order
+    ts = _prepare([folder], tmp_path / "fast", tokenizer=str(bpe_dir), workers=2, chunk_chars=3000)
     index = json.loads((tmp_path / "fast" / INDEX).read_text())
     assert index["dtype"] == "uint16" and index["tokenizer"]["vocab_size"] == hf.vocab_size
     # each document and separator is encoded on its own: the stream is their concatenation
@@ -198,7 +199,9 @@ def test_hf_tokenizer_workers_give_the_transformers_ids(
     import fullshard.app.prepare as prepare_module
 
     monkeypatch.setattr(prepare_module, "fast_tokenizer_matches", lambda spec: False)
-    slow = _prepare([folder], tmp_path / "slow", tokenizer=str(bpe_dir), workers=1)
+    slow = _prepare(
+        [folder], tmp_path / "slow", tokenizer=str(bpe_dir), workers=1, chunk_chars=3000
+    )
     assert torch.equal(_stream(slow, "train"), _stream(ts, "train"))
 
 

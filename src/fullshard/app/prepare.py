@@ -100,7 +100,8 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--workers", type=int, default=0,
-        help="tokenizer worker processes (default 0: one per CPU; 1: in this process)",
+        help="tokenizer worker processes for a --tokenizer directory (default 0: one per CPU; 1: "
+        "in this process); byte tokens are encoded in this process (a copy: cheaper than a worker)",
     )  # fmt: skip
     parser.add_argument(
         "--verify", metavar="DIR",
@@ -299,7 +300,10 @@ def _write(
 ) -> dict[str, Any]:
     from tqdm import tqdm
 
-    workers = opts.workers or os.cpu_count() or 1
+    # Byte "tokenizing" is a copy (UTF-8 encode): shipping the text to a worker and the tokens
+    # back costs more than doing it here (measured: 192 MB/s in-process vs 37 MB/s with 2
+    # workers on 2 CPUs), so workers serve real tokenizers only.
+    workers = 1 if opts.tokenizer == "byte" else opts.workers or os.cpu_count() or 1
     fast = opts.tokenizer != "byte" and fast_tokenizer_matches(opts.tokenizer)
     total_bytes = sum(f.stat().st_size for f in files)
     writers = {s: _SplitWriter(stage, s, dtype, opts.shard_tokens) for s in SPLITS}
@@ -337,7 +341,8 @@ def _write(
         f"fullshard prepare: {stats['documents']:,} documents from {len(files)} file(s): "
         f"{mb:,.1f} MB read, {splitter.pos:,} tokens written (train {splits['train']['tokens']:,}"
         f", val {splits['val']['tokens']:,}) in {seconds:.1f} s, {mb / max(seconds, 1e-9):,.1f} "
-        f"MB/s ({workers} worker(s){', fast tokenizer' if fast else ''})",
+        f"MB/s ({'in-process' if workers == 1 else f'{workers} workers'}"
+        f"{', fast tokenizer' if fast else ''})",
         flush=True,
     )
     return {
