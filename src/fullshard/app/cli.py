@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 PREPARE_EPILOG = """\
 examples:
-  fullshard prepare corpus/ --out data/corpus-byte           # byte tokens, one worker per CPU
+  fullshard prepare corpus/ --out data/corpus-byte           # byte tokens (UTF-8 bytes)
   fullshard prepare shards/*.jsonl --out data/c --tokenizer tok/ --workers 8
   fullshard train --data data/corpus-byte                    # trains from the memory-mapped shards
   fullshard prepare --verify data/corpus-byte                # re-hash every shard

@@ -9,6 +9,8 @@ what is wrong, where (the flag or the file) and what to do.
 Everything here is cheap and touches no device: flag values, file sizes and folder listings, model
 configurations on paper. The only text ever read is a corpus already too small to train on by its
 file sizes (to count its tokens exactly), or the built-in corpus; nothing is tokenized but bytes.
+A prepared folder (``fullshard prepare``) is checked from its index and its files' stats; only a
+shard whose stat changed since it was written is read (re-hashed, NOTE [Verifying token shards]).
 So the verdict is the same in the launcher and on every rank.
 """
 
