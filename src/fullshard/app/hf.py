@@ -109,6 +109,14 @@ def _hf_config(spec: str, vocab_size: int | None) -> tuple[Any, bool]:
     return config, has_weights
 
 
+def _fp32(transformers: Any) -> dict[str, torch.dtype]:
+    """The keyword that builds a model in float32 (transformers 4.56 renamed ``torch_dtype``)."""
+    from packaging.version import Version
+
+    new = Version(transformers.__version__) >= Version("4.56")
+    return {"dtype" if new else "torch_dtype": torch.float32}
+
+
 def safetensors_dir(spec: str) -> Path | None:
     """The directory of ``spec`` when it is a local Hugging Face checkpoint with safetensors
     weights (``model.safetensors`` or its index), else ``None``."""
@@ -165,7 +173,7 @@ def build_hf_model(
         torch.manual_seed(seed)
         if weights is not None:
             with _params_on_meta():
-                model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                model = transformers.AutoModelForCausalLM.from_config(config, **_fp32(transformers))
             target = torch.device(device or "cpu")
             for module in model.modules():  # the buffers only: parameters wait on meta
                 for name, buf in module._buffers.items():
@@ -176,7 +184,7 @@ def build_hf_model(
             device = None
         elif has_weights:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                spec, local_files_only=True, torch_dtype=torch.float32
+                spec, local_files_only=True, **_fp32(transformers)
             )
         else:
             model = transformers.AutoModelForCausalLM.from_config(config)

@@ -204,6 +204,26 @@ def _by_file(targets: list[_Target], files: SafetensorsFiles) -> Iterator[tuple[
             yield _safe_open(file), mine
 
 
+def _read_into(local: torch.Tensor, box: tuple[slice, ...] | None, file: Path, key: str) -> None:
+    """Copy ``file``'s ``key`` (only the rows in ``box``) into ``local``, converting the dtype.
+
+    The file is opened for this one tensor: the pages the read touched through the memory map
+    count in the resident set until the map is closed, and closing it after each tensor keeps
+    them to one tensor's worth instead of the whole shard's (the header is parsed again each
+    time, a small cost next to the read).
+    """
+    handle = _safe_open(file)
+    value = handle.get_slice(key)[box] if box is not None else handle.get_tensor(key)  # type: ignore[attr-defined]
+    del handle
+    if value.shape != local.shape:
+        raise _fail(
+            f"'{key}': this rank's piece of the parameter has shape {tuple(local.shape)}, but "
+            f"its placements describe {tuple(value.shape)}; load_safetensors cannot tell which "
+            "rows it holds."
+        )
+    local.copy_(value.to(dtype=local.dtype))
+
+
 def _match(targets: list[_Target], files: SafetensorsFiles, computed: set[str]) -> LoadReport:
     """Pick each target's key (any of its tied names); raise for missing parameters and shapes
     that disagree, listing them all."""
@@ -293,23 +313,11 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = False
         )
     if report.unexpected and _rank() == 0:
         warnings.warn(_unexpected(files, report) + "; they were not loaded.", stacklevel=2)
-    for handle, mine in _by_file(targets, files):
-        for t in mine:
-            local = local_of(t.tensor)
-            box = _box(t.tensor)
-            if local.numel() == 0:
-                report.loaded.append(t.key or "")
-                continue  # an empty shard: nothing of it is on this rank
-            sliced = handle.get_slice(t.key)  # type: ignore[attr-defined]
-            value = sliced[box] if box is not None else handle.get_tensor(t.key)  # type: ignore[attr-defined]
-            if value.shape != local.shape:
-                raise _fail(
-                    f"'{t.key}': this rank's piece of the parameter has shape "
-                    f"{tuple(local.shape)}, but its placements describe {tuple(value.shape)}; "
-                    "load_safetensors cannot tell which rows it holds."
-                )
-            # one slice at a time: converted and copied, then dropped before the next is read
-            local.copy_(value.to(dtype=local.dtype))
-            del value
-            report.loaded.append(t.key or "")
+    for t in targets:
+        if t.key is None:
+            continue
+        local = local_of(t.tensor)
+        if local.numel() > 0:  # an empty shard: nothing of it is on this rank
+            _read_into(local, _box(t.tensor), files.key_file[t.key], t.key)
+        report.loaded.append(t.key)
     return report
