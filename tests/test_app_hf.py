@@ -163,3 +163,20 @@ def test_train_cli_loads_safetensors_sharded_like_the_full_load(tmp_path: Path) 
         )  # fmt: skip
         losses.append([r["loss"] for r in recs])
     assert losses[0] == losses[1]
+
+
+def test_train_refuses_a_checkpoint_that_does_not_fit_before_launch(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = _save_llama(tmp_path / "ckpt", tie=True)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fullshard.app.cli", "train", "--model", f"hf:{folder}",
+         "--nproc", "2", "--max-steps", "1", "--runs-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "model.norm.weight" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing launched

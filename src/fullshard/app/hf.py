@@ -167,7 +167,9 @@ def build_hf_model(
     """
     transformers = require_transformers()
     config, has_weights = _hf_config(spec, vocab_size)
-    weights = safetensors_dir(spec) if lazy_weights and has_weights else None
+    # on the meta device nothing would be kept of loaded weights: build lazily then, too
+    on_meta = device is not None and torch.device(device).type == "meta"
+    weights = safetensors_dir(spec) if (lazy_weights or on_meta) and has_weights else None
     # fork_rng: seed the init without disturbing the caller's global RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -48,12 +48,13 @@ INDEX_FILE = "model.safetensors.index.json"
 _LISTED = 10  # names listed in one error message before "... and N more"
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def _rank() -> int | None:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 def _fail(message: str) -> FullshardError:
-    return FullshardError(f"rank {_rank()}: {message}")
+    rank = _rank()
+    return FullshardError(message if rank is None else f"rank {rank}: {message}")
 
 
 def _listing(names: Iterable[str]) -> str:
@@ -311,7 +312,7 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = False
             f"{_listing(on_meta)} still on the meta device: materialise the model first "
             f"(model.to_empty(device=...)), then load {files.source}."
         )
-    if report.unexpected and _rank() == 0:
+    if report.unexpected and _rank() in (None, 0):
         warnings.warn(_unexpected(files, report) + "; they were not loaded.", stacklevel=2)
     for t in targets:
         if t.key is None:
