@@ -309,8 +309,9 @@ def load_safetensors(model: nn.Module, path: str | Path, *, strict: bool = False
     on_meta = [t.names[0] for t in targets if local_of(t.tensor).is_meta]
     if on_meta:
         raise _fail(
-            f"{_listing(on_meta)} still on the meta device: materialise the model first "
-            f"(model.to_empty(device=...)), then load {files.source}."
+            f"{len(on_meta)} tensor(s) of the model are still on the meta device "
+            f"({_listing(on_meta)}): materialise the model first (model.to_empty(device=...)), "
+            f"then load {files.source}."
         )
     if report.unexpected and _rank() in (None, 0):
         warnings.warn(_unexpected(files, report) + "; they were not loaded.", stacklevel=2)
