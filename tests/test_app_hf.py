@@ -62,22 +62,121 @@ def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
         build_hf_model(str(tmp_path / "nothing"), 256)
 
 
-@pytest.mark.e2e  # launches `fullshard train` through torchrun
-def test_train_cli_with_a_tiny_llama(tmp_path: Path) -> None:
+def _train(runs: Path, name: str, *args: str) -> list[dict]:
+    """Run ``fullshard train ... --nproc 2`` into ``runs/name``; its metrics records."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    args = [
-        "--model", "hf:llama-tiny", "--nproc", "2", "--max-steps", "6", "--seq-len", "32",
-        "--batch-size", "8", "--log-every", "2", "--eval-every", "6", "--eval-batches", "1",
-        "--sample-tokens", "8", "--no-progress", "--runs-dir", str(tmp_path), "--name", "hf",
-    ]  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "fullshard.app.cli", "train", *args],
+        [sys.executable, "-m", "fullshard.app.cli", "train", *args, "--nproc", "2",
+         "--no-progress", "--runs-dir", str(runs), "--name", name],
         capture_output=True, text=True, timeout=240, env=env, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    recs = [
-        json.loads(line) for line in (tmp_path / "hf" / "metrics.jsonl").read_text().splitlines()
-    ]
+    return [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.e2e  # launches `fullshard train` through torchrun
+def test_train_cli_with_a_tiny_llama(tmp_path: Path) -> None:
+    recs = _train(
+        tmp_path, "hf", "--model", "hf:llama-tiny", "--max-steps", "6", "--seq-len", "32",
+        "--batch-size", "8", "--log-every", "2", "--eval-every", "6", "--eval-batches", "1",
+        "--sample-tokens", "8",
+    )  # fmt: skip
     assert [r["step"] for r in recs] == [1, 2, 4, 6]
     assert recs[-1]["loss"] < recs[0]["loss"]
     assert "val_loss" in recs[-1]
+
+
+def _save_llama(folder: Path, *, tie: bool, safe: bool = True, max_shard_size: str = "5GB") -> Path:
+    """A tiny llama with random weights, saved as save_pretrained writes it."""
+    model_type, kwargs = HF_CONFIGS["llama-tiny"]
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=300, tie_word_embeddings=tie, **kwargs
+    )
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():  # norm weights of ones would hide a missed copy
+            p.add_(torch.randn_like(p) * 0.01)
+    if safe:
+        model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
+    else:  # transformers 5 writes safetensors only: the old format by hand
+        config.save_pretrained(folder)
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+def _lazy_vs_full(rank: int, world: int, folder: str) -> dict:
+    from fullshard.app.wrap import shard_model
+
+    lazy = build_model(f"hf:{folder}", 256, lazy_weights=True)
+    on_meta = all(p.is_meta for p in lazy.parameters())
+    buffers_real = not any(b.is_meta for b in lazy.buffers())
+    full = build_model(f"hf:{folder}", 256)
+    for m in (lazy, full):
+        shard_model(m, "full_shard", unit_types_of(m))
+    x = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        same_logits = torch.equal(lazy(x).logits, full(x).logits)
+    return {
+        "on_meta": on_meta,
+        "buffers_real": buffers_real,
+        "unequal": [
+            n
+            for (n, p), q in zip(lazy.named_parameters(), full.parameters(), strict=True)
+            if not torch.equal(p.to_local(), q.to_local())
+        ],
+        "buffers": all(
+            torch.equal(a, b) for a, b in zip(lazy.buffers(), full.buffers(), strict=True)
+        ),
+        "logits": same_logits,
+        "tied": lazy.lm_head.weight is lazy.get_input_embeddings().weight,
+    }
+
+
+@pytest.mark.parametrize("tie,shards", [(True, "5GB"), (False, "60KB")])
+def test_lazy_safetensors_build_loads_each_ranks_rows(
+    tmp_path: Path, tie: bool, shards: str
+) -> None:
+    from harness import run_ranks
+
+    folder = _save_llama(tmp_path, tie=tie, max_shard_size=shards)
+    assert (folder / "model.safetensors.index.json").is_file() == (shards == "60KB")
+    for r in run_ranks(_lazy_vs_full, 2, str(folder)):
+        assert r["on_meta"] and r["buffers_real"], r
+        assert r["unequal"] == [] and r["buffers"] and r["logits"], r
+        assert r["tied"] == tie
+
+
+@pytest.mark.e2e  # launches `fullshard train` through torchrun, twice
+def test_train_cli_loads_safetensors_sharded_like_the_full_load(tmp_path: Path) -> None:
+    """The same weights as model.safetensors (sharded load) and as pytorch_model.bin (the old
+    full load): the same first loss."""
+    safe = _save_llama(tmp_path / "safe", tie=True)
+    _save_llama(tmp_path / "bin", tie=True, safe=False)
+    assert not list((tmp_path / "bin").glob("*.safetensors*"))
+    losses = []
+    for folder in (safe, tmp_path / "bin"):
+        recs = _train(
+            tmp_path / "runs", folder.name, "--model", f"hf:{folder}", "--max-steps", "2",
+            "--seq-len", "16", "--batch-size", "4", "--log-every", "1", "--eval-every", "0",
+            "--sample-tokens", "0",
+        )  # fmt: skip
+        losses.append([r["loss"] for r in recs])
+    assert losses[0] == losses[1]
+
+
+def test_train_refuses_a_checkpoint_that_does_not_fit_before_launch(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = _save_llama(tmp_path / "ckpt", tie=True)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fullshard.app.cli", "train", "--model", f"hf:{folder}",
+         "--nproc", "2", "--max-steps", "1", "--runs-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "model.norm.weight" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # nothing launched

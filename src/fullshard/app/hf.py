@@ -4,17 +4,31 @@
 Hugging Face model is asked for. A model comes from one of the built-in configuration dicts in
 :data:`HF_CONFIGS` (random init) or from a local directory holding a ``config.json`` (random init)
 plus, optionally, weights (loaded). Each decoder layer becomes one FSDP unit.
+
+A directory with safetensors weights can be built *lazily* (``lazy_weights=True``): parameters on
+the meta device, buffers real, and the checkpoint remembered on the model; :func:`load_pending`
+then materialises the sharded model and has each rank read only its own rows
+(:func:`fullshard.checkpoint.load_safetensors`), so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["HF_CONFIGS", "build_hf_model", "find_decoder_layers", "require_transformers"]
+__all__ = [
+    "HF_CONFIGS",
+    "build_hf_model",
+    "find_decoder_layers",
+    "load_pending",
+    "require_transformers",
+    "safetensors_dir",
+]
 
 INSTALL_HINT = (
     "Hugging Face models need the optional `transformers` package: "
@@ -52,7 +66,11 @@ HF_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 
 # Where common architectures keep their decoder layers (dotted attribute paths).
 _LAYER_PATHS = ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers")
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+_WEIGHT_FILES = (*_SAFETENSORS_FILES, "pytorch_model.bin")
+# The checkpoint (and device) a lazily built model still has to load: set by build_hf_model,
+# consumed by load_pending.
+_PENDING = "_fullshard_pending_weights"
 
 
 def require_transformers() -> Any:
@@ -91,28 +109,84 @@ def _hf_config(spec: str, vocab_size: int | None) -> tuple[Any, bool]:
     return config, has_weights
 
 
+def _fp32(transformers: Any) -> dict[str, torch.dtype]:
+    """The keyword that builds a model in float32 (transformers 4.56 renamed ``torch_dtype``)."""
+    from packaging.version import Version
+
+    new = Version(transformers.__version__) >= Version("4.56")
+    return {"dtype" if new else "torch_dtype": torch.float32}
+
+
+def safetensors_dir(spec: str) -> Path | None:
+    """The directory of ``spec`` when it is a local Hugging Face checkpoint with safetensors
+    weights (``model.safetensors`` or its index), else ``None``."""
+    path = Path(spec)
+    if spec in HF_CONFIGS or not (path / "config.json").is_file():
+        return None
+    return path if any((path / f).is_file() for f in _SAFETENSORS_FILES) else None
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device; buffers are built normally.
+
+    Why not ``with torch.device("meta")``: buffers computed at construction (rotary
+    ``inv_freq``, causal masks) are often non-persistent, i.e. in no checkpoint, so they must be
+    real from the start. A parameter's (empty, untouched) CPU storage is dropped at once.
+    """
+    register = nn.Module.register_parameter
+
+    def to_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = to_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def build_hf_model(
     spec: str,
     vocab_size: int | None,
     *,
     seed: int = 0,
     device: torch.device | str | None = None,
+    lazy_weights: bool = False,
 ) -> nn.Module:
     """Build a ``transformers`` causal LM from a built-in name or a local directory.
 
     Configuration-only models are randomly initialised from ``seed`` with ``vocab_size`` tokens;
     a directory with weights is loaded as is (its vocabulary must cover the tokenizer's, which
-    the trainer checks). The returned model gets a ``unit_types`` attribute: its decoder layer
-    classes.
+    the trainer checks). With ``lazy_weights`` a directory with safetensors weights is built
+    with its parameters on the meta device (buffers on ``device``) and loads nothing yet: shard
+    it, then :func:`load_pending` (``fullshard.app.wrap.shard_model`` does both). The returned
+    model gets a ``unit_types`` attribute: its decoder layer classes.
     """
     transformers = require_transformers()
     config, has_weights = _hf_config(spec, vocab_size)
+    # on the meta device nothing would be kept of loaded weights: build lazily then, too
+    on_meta = device is not None and torch.device(device).type == "meta"
+    weights = safetensors_dir(spec) if (lazy_weights or on_meta) and has_weights else None
     # fork_rng: seed the init without disturbing the caller's global RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if has_weights:
+        if weights is not None:
+            with _params_on_meta():
+                model = transformers.AutoModelForCausalLM.from_config(config, **_fp32(transformers))
+            target = torch.device(device or "cpu")
+            for module in model.modules():  # the buffers only: parameters wait on meta
+                for name, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[name] = buf.to(target)
+            if target.type != "meta":
+                setattr(model, _PENDING, (weights, target))
+            device = None
+        elif has_weights:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                spec, local_files_only=True, torch_dtype=torch.float32
+                spec, local_files_only=True, **_fp32(transformers)
             )
         else:
             model = transformers.AutoModelForCausalLM.from_config(config)
@@ -121,6 +195,34 @@ def build_hf_model(
     layers = find_decoder_layers(model)
     model.unit_types = tuple(dict.fromkeys(type(layer) for layer in layers))
     return model
+
+
+def load_pending(model: nn.Module) -> bool:
+    """Materialise a lazily built model (see :func:`build_hf_model`) and load its safetensors
+    weights, each rank reading only its own rows; ``False`` when nothing was pending.
+
+    Call it after sharding (on every rank). ``to_empty`` would leave the buffers uninitialised,
+    so they are kept and put back; a tied parameter stays one parameter (the sharding engine
+    re-points every name of it at the materialised tensor).
+    """
+    pending = getattr(model, _PENDING, None)
+    if pending is None:
+        return False
+    from fullshard.checkpoint import load_safetensors
+
+    path, device = pending
+    buffers = [
+        (module, name, buf)
+        for module in model.modules()
+        for name, buf in module._buffers.items()
+        if buf is not None
+    ]
+    model.to_empty(device=device)
+    for module, name, buf in buffers:
+        module._buffers[name] = buf
+    load_safetensors(model, path)
+    delattr(model, _PENDING)
+    return True
 
 
 def find_decoder_layers(model: nn.Module) -> list[nn.Module]:

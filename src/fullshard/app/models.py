@@ -27,6 +27,7 @@ __all__ = [
     "lm_loss",
     "logits_of",
     "model_context_length",
+    "output_vocab_size",
     "resolve_model_spec",
     "unit_types_of",
 ]
@@ -218,17 +219,21 @@ def build_model(
     *,
     seed: int = 0,
     device: torch.device | str | None = None,
+    lazy_weights: bool = False,
 ) -> nn.Module:
     """Build a model by size name (see :data:`MODEL_SIZES`) or Hugging Face spec.
 
     The returned module has a ``unit_types`` attribute or property naming the classes that become
     one FSDP unit each. Weights are initialised deterministically from ``seed``.
+    ``lazy_weights``: a local Hugging Face directory with safetensors weights comes back with its
+    parameters on the meta device, its weights loaded only when ``fullshard.app.wrap.shard_model``
+    shards it (each rank reads its own rows); for callers that shard what they build.
     """
     kind, name = resolve_model_spec(name_or_path)
     if kind == "hf":
         from fullshard.app.hf import build_hf_model
 
-        return build_hf_model(name, vocab_size, seed=seed, device=device)
+        return build_hf_model(name, vocab_size, seed=seed, device=device, lazy_weights=lazy_weights)
     cfg = replace(MODEL_SIZES[name], vocab_size=vocab_size)
     with torch.device(device or "cpu"):
         return GPT(cfg, seed=seed)
@@ -244,6 +249,18 @@ def model_context_length(model: nn.Module) -> int | None:
         if isinstance(value, int):
             return value
     return None
+
+
+def output_vocab_size(model: nn.Module) -> int:
+    """The number of logits ``model`` produces per token, read off its output layer (no forward:
+    the model may still be on the meta device)."""
+    if isinstance(model, GPT):
+        return model.cfg.vocab_size
+    get = getattr(model, "get_output_embeddings", None)
+    weight = getattr(get() if callable(get) else None, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[0])
+    raise TypeError(f"cannot tell the output vocabulary of {type(model).__name__}")
 
 
 def logits_of(output: object) -> torch.Tensor:

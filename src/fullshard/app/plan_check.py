@@ -100,7 +100,7 @@ def _check(
     config = check_config(args, backend)
     plan = plan_builtin(args.model, world, config, with_recommendation=False)
     rss0 = _rss_mib()
-    model = build_model(args.model, 256, seed=0, device=device)
+    model = build_model(args.model, 256, seed=0, device=device, lazy_weights=True)
     group = config.shard_group(world)
     shard_model(model, args.strategy, unit_types_of(model), shard_size=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -84,7 +84,7 @@ def run_trace(args: argparse.Namespace) -> dict[str, Any]:
 def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict[str, Any]:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    model = build_model(args.model, 256, seed=0, device=device)
+    model = build_model(args.model, 256, seed=0, device=device, lazy_weights=True)
     n_params = count_params(model)
     plan = shard_model(model, args.strategy, unit_types_of(model), shard_size=args.shard_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

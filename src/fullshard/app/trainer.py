@@ -37,8 +37,8 @@ from fullshard.app.models import (
     count_params,
     generate,
     lm_loss,
-    logits_of,
     model_context_length,
+    output_vocab_size,
     unit_types_of,
 )
 from fullshard.app.monitor import MetricsLog, format_mem, gather_memory, make_run_dir, plot_losses
@@ -145,12 +145,16 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
     sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
     val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
 
-    model = build_model(cfg.model, tokenizer.vocab_size, seed=cfg.seed, device=device)
+    # lazy_weights: a safetensors checkpoint is built on meta and loaded by shard_model, each
+    # rank reading only its rows; so the vocabulary is read off the output layer, not a forward
+    model = build_model(
+        cfg.model, tokenizer.vocab_size, seed=cfg.seed, device=device, lazy_weights=True
+    )
     ctx = model_context_length(model)
     if ctx is not None and cfg.seq_len > ctx:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's context of {ctx} tokens")
     n_params = count_params(model)
-    vocab = logits_of(model(torch.zeros(1, 1, dtype=torch.long, device=device))).shape[-1]
+    vocab = output_vocab_size(model)
     if vocab < tokenizer.vocab_size:
         raise ConfigError(f"model vocabulary {vocab} < tokenizer vocabulary {tokenizer.vocab_size}")
 

@@ -123,6 +123,7 @@ def validate_train(cfg: TrainConfig, world_size: int) -> None:
         _writable_folder(cfg.checkpoint_dir, "--checkpoint-dir")
     _check_resume(cfg)
     _check_data(cfg, world_size)
+    _check_hf_weights(cfg.model)
     if cfg.tp > 1:
         _check_tensor_parallel(cfg)
 
@@ -273,6 +274,26 @@ def _check_prepared(cfg: TrainConfig, world_size: int) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # trace, bench, plan --check
+
+
+def _check_hf_weights(spec: str) -> None:
+    """A local Hugging Face checkpoint's safetensors fit its model: every parameter present
+    with its shape, every shard file of the index there (headers only; the model on meta)."""
+    kind, name = check_model_spec(spec)
+    if kind != "hf":
+        return
+    from fullshard.app.hf import safetensors_dir
+
+    folder = safetensors_dir(name)
+    if folder is None:
+        return
+    from fullshard.app.models import build_model
+    from fullshard.checkpoint import check_safetensors
+
+    try:
+        check_safetensors(build_model(spec, 256, device="meta"), folder)
+    except FullshardError as exc:
+        raise ConfigError(f"--model {spec}: {exc}") from None
 
 
 def _check_tensor_parallel(cfg: TrainConfig) -> None:

@@ -48,7 +48,9 @@ def shard_model(
     ``shard_size`` ranks (0: :func:`~fullshard.engine.sharding.hybrid_shard_size`) and replicate
     across the groups. ``tp`` > 1: tensor parallel over that many consecutive ranks inside each
     block first (``fullshard.app.tensor_parallel``), the strategy over the rest. ``float8``:
-    :func:`convert_float8` first. Returns the plan that was applied.
+    :func:`convert_float8` first. A model built with ``lazy_weights`` is materialised and
+    loaded after sharding (:func:`fullshard.app.hf.load_pending`). Returns the plan that was
+    applied.
     """
     dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     # Gradients are reduced in float32 even when computing in bf16/fp16: summing N ranks' low
@@ -77,6 +79,9 @@ def shard_model(
     apply_plan(
         model, plan, mesh=mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing
     )
+    from fullshard.app.hf import load_pending
+
+    load_pending(model)  # a lazily built checkpoint: each rank reads its own rows now
     return plan
 
 
