@@ -21,13 +21,13 @@ import torch
 from safetensors.torch import load_file
 from test_app_cli import records, run_train
 
-from fullshard.app.preempt import PREEMPTED_EXIT
+from fullshard.app.preempt import PREEMPTED_EXIT, ForwardSignals, StopSignals, signal_name
 from fullshard.checkpoint import convert, latest_checkpoint, verify
 
 # launches the CLI or torchrun as subprocesses: the top of the test pyramid
 pytestmark = pytest.mark.e2e
 
-STEPS = 40  # enough steps (~0.1 s each) for an external signal to land mid-run
+STEPS = 24  # enough steps (~0.1 s each) for an external signal to land mid-run
 TRAIN = [
     "--model", "tiny", "--max-steps", str(STEPS), "--seq-len", "32", "--batch-size", "8",
     "--warmup-steps", "3", "--log-every", "1", "--eval-every", "0", "--sample-tokens", "0",
@@ -155,7 +155,14 @@ def test_sigterm_to_fullshard_train_reaches_the_ranks(straight: Straight, tmp_pa
     assert status == PREEMPTED_EXIT, out
     stopped = json.loads((run / "summary.json").read_text())["preempted_after"]
     assert 2 <= stopped < STEPS and f"preempted after step {stopped} (SIGTERM)" in out
-    _resume_equals_straight(run, straight, stopped)
+    assert "Traceback" not in out
+    # Complete and committed, and the steps so far are the straight run's, bit for bit (the
+    # resume from such a checkpoint is checked by the other two tests: it is the same path).
+    assert sorted(os.listdir(run / "checkpoints")) == [f"step_{stopped:08d}"]
+    assert verify(str(run / "checkpoints" / f"step_{stopped:08d}")) == ""
+    assert records(run) != [] and [(r["step"], r["loss"]) for r in records(run)] == [
+        (r["step"], r["loss"]) for r in records(straight.run)[:stopped]
+    ]
 
 
 def test_sigterm_to_the_torchrun_agent(straight: Straight, tmp_path: Path) -> None:
@@ -175,3 +182,38 @@ def test_sigterm_to_the_torchrun_agent(straight: Straight, tmp_path: Path) -> No
     assert 2 <= stopped < STEPS and f"preempted after step {stopped} (SIGTERM)" in out
     assert "SIGKILL" not in out  # every rank left within the agent's grace period
     _resume_equals_straight(run, straight, stopped)
+
+
+def test_stop_signals_only_record_and_are_restored() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    with StopSignals() as signals:
+        assert not signals.requested and signals.flag(torch.device("cpu")).tolist() == [0.0]
+        os.kill(os.getpid(), signal.SIGUSR1)  # would end this process without the handler
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # handlers run on the main thread between bytecodes
+        assert signals.received == [signal.SIGUSR1, signal.SIGTERM]
+        # the vote carries the first signal's number; a MAX over ranks keeps one of them
+        assert signals.flag(torch.device("cpu")).tolist() == [float(signal.SIGUSR1)]
+    assert signal.getsignal(signal.SIGUSR1) is before
+    assert signal_name(15.0) == "SIGTERM"
+
+
+def test_launcher_forwards_only_the_first_signal(tmp_path: Path) -> None:
+    # A child that counts the SIGTERMs it gets: torchrun's agent would abandon its grace
+    # period on a second one, so the launcher passes on the first only.
+    script = (
+        "import signal, sys, time\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: got.append(s))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(1.0)\n"
+        "print(len(got), flush=True)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    with ForwardSignals(child) as forwarded:
+        for _ in range(3):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+        out, _ = child.communicate(timeout=60)
+    assert forwarded.received == [signal.SIGTERM] * 3 and out.strip() == "1"
