@@ -139,22 +139,22 @@ def test_signal_on_one_rank_stops_every_rank_after_that_step(
     _resume_equals_straight(tmp_path / "cut", straight, step)
 
 
-def test_sigterm_to_fullshard_train_reaches_the_ranks(straight: Straight, tmp_path: Path) -> None:
-    # A real signal to our CLI process (what Kubernetes sends to the container's first
-    # process), then a second one as soon as the checkpoint folder appears.
+def test_signal_to_fullshard_train_reaches_the_ranks(straight: Straight, tmp_path: Path) -> None:
+    # A real signal to our CLI process (SLURM's usual warning; Kubernetes sends SIGTERM to the
+    # container's first process), then SIGTERM as soon as the checkpoint folder appears.
     run = tmp_path / "cut"
     cmd = [sys.executable, "-m", "fullshard.app.cli", "train", *ARGS,
            "--runs-dir", str(tmp_path), "--name", "cut"]  # fmt: skip
     with _started(cmd, tmp_path / "log.txt", _env()) as proc:
         _until(lambda: _logged_step(run) >= 2, proc, "logged step 2")
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGUSR1)
         _until(lambda: any((run / "checkpoints").glob("step_*")), proc, "a checkpoint folder")
         proc.send_signal(signal.SIGTERM)
         status = proc.wait(timeout=DEADLINE_S)
     out = (tmp_path / "log.txt").read_text()
     assert status == PREEMPTED_EXIT, out
     stopped = json.loads((run / "summary.json").read_text())["preempted_after"]
-    assert 2 <= stopped < STEPS and f"preempted after step {stopped} (SIGTERM)" in out
+    assert 2 <= stopped < STEPS and f"preempted after step {stopped} (SIGUSR1)" in out
     assert "Traceback" not in out
     # Complete and committed, and the steps so far are the straight run's, bit for bit (the
     # resume from such a checkpoint is checked by the other two tests: it is the same path).

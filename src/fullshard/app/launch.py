@@ -122,9 +122,6 @@ def launch_local(
     # Set it ourselves so torchrun does not print its OMP_NUM_THREADS warning; the drivers set
     # torch's thread count from --threads anyway.
     env.setdefault("OMP_NUM_THREADS", "1")
-    # torchrun's agent turns SIGTERM, SIGINT, SIGHUP and SIGQUIT into "signal the workers,
-    # wait, then SIGKILL"; SIGUSR1 (SLURM's usual warning) would kill the agent outright.
-    env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     cmd = [
         sys.executable,
         "-m",
@@ -132,6 +129,9 @@ def launch_local(
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
+        # The agent turns these into "pass the signal to the workers, wait, then SIGKILL";
+        # by default SIGUSR1 (SLURM's usual warning) is not among them and would kill it.
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         "-m",
         module,
         *argv,
