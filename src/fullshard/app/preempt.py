@@ -9,7 +9,9 @@ SIGTERM and SIGUSR1 like this:
 - each step's existing MAX all-reduce on the device (the non-finite vote of
   :func:`fullshard.app.faults.agree_step`) carries this rank's flag as a second element, so "any
   rank got a signal" becomes "every rank stops after the same step" with no new collective and
-  no new host read (the flag tensor is filled on the device, not copied from the host);
+  no new host read (the flag tensor is filled on the device, not copied from the host). With
+  fp16 the scaler makes its own non-finite decision and there was no vote: that path now runs
+  this one small all-reduce per step, read in the step's existing synchronisation;
 - after that step's optimizer step every rank saves a checkpoint synchronously (an async save
   is waited for), leaves the process group together and exits with :data:`PREEMPTED_EXIT`;
 - the handlers stay installed until the save is committed: a second signal during the save
