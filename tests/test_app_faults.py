@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,9 @@ import torch
 from harness import run_command
 from safetensors.torch import load_file
 from test_app_cli import records
+
+from fullshard.app.faults import Fault, fault_from_env
+from fullshard.policies import FullshardError
 
 # launches the CLI or torchrun as subprocesses: the top of the test pyramid
 pytestmark = pytest.mark.e2e
@@ -97,3 +101,16 @@ def test_killed_rank_restarts_from_last_checkpoint_and_matches(tmp_path: Path) -
     a = _weights(tmp_path / "straight" / "checkpoints", tmp_path / "a.safetensors")
     b = _weights(tmp_path / "crash" / "checkpoints", tmp_path / "b.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same result as never crashing
+
+
+def test_signal_fault_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("FULLSHARD_FAULT", "signal:rank=1:step=3:sig=usr1:repeat=2")
+    assert fault_from_env() == Fault("signal", 1, 3, signal.SIGUSR1, 2)
+    monkeypatch.setenv("FULLSHARD_FAULT", "signal:step=3")
+    assert fault_from_env() == Fault("signal", 0, 3, signal.SIGTERM, 1)
+    monkeypatch.setenv("FULLSHARD_FAULT", "signal:sig=KILL")
+    with pytest.raises(FullshardError, match="sig=TERM or sig=USR1"):
+        fault_from_env()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted attempt: no fault
+    assert fault_from_env() is None

@@ -179,10 +179,12 @@ def _train(args: argparse.Namespace) -> int:
         # (a prefix of its --nproc-per-node), and the ranks need no config file.
         flags = to_flags(cfg, exclude=("nproc", "max_restarts"))
         return launch_local(cfg.nproc, ["train", *flags], max_restarts=cfg.max_restarts)
+    from fullshard.app.preempt import PREEMPTED_EXIT
     from fullshard.app.trainer import train
 
-    train(cfg)
-    return 0
+    summary = train(cfg)
+    # a stop signal (NOTE [Preemption]): checkpointed, unfinished, to be resumed
+    return PREEMPTED_EXIT if summary.get("preempted_after") is not None else 0
 
 
 def _plan(args: argparse.Namespace) -> int:

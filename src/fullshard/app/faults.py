@@ -4,7 +4,10 @@
 
 - ``kill``: the process exits at once (as if killed or out of memory);
 - ``hang``: the process stops in a sleep longer than any timeout (a stuck rank);
-- ``nan``: the rank's loss becomes NaN for that step (a numerical blow-up on one rank).
+- ``nan``: the rank's loss becomes NaN for that step (a numerical blow-up on one rank);
+- ``signal``: the rank sends itself a stop signal (``sig=TERM`` or ``sig=USR1``, default TERM)
+  as step S starts, as if preempted there; with ``repeat=2`` it sends the same signal again as
+  the preemption checkpoint's save starts (a second signal during the save).
 
 Faults fire only in the first attempt of a job (``TORCHELASTIC_RESTART_COUNT`` 0), so that a run
 under ``torchrun --max-restarts`` can show its recovery.
@@ -13,6 +16,7 @@ under ``torchrun --max-restarts`` can show its recovery.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -21,7 +25,9 @@ import torch
 from fullshard.dist import control
 from fullshard.policies import FullshardError
 
-__all__ = ["Fault", "NonFiniteError", "agree_nonfinite", "fault_from_env"]
+__all__ = ["Fault", "NonFiniteError", "agree_step", "fault_from_env"]
+
+KINDS = ("kill", "hang", "nan", "signal")
 
 
 class NonFiniteError(FullshardError):
@@ -33,11 +39,19 @@ class Fault:
     kind: str
     rank: int
     step: int
+    sig: signal.Signals = signal.SIGTERM
+    repeat: int = 1
+
+    def _send(self, rank: int, when: str) -> None:
+        print(f"[fault] rank {rank} sends itself {self.sig.name} {when}", flush=True)
+        os.kill(os.getpid(), self.sig)
 
     def at_step(self, step: int, rank: int) -> bool:
         """Apply the fault if it is due; returns True when the loss must become NaN."""
         if step != self.step or rank != self.rank:
             return False
+        if self.kind == "signal":
+            self._send(rank, f"at step {step}")
         if self.kind == "kill":
             print(f"[fault] rank {rank} killed at step {step}", flush=True)
             os._exit(1)
@@ -46,6 +60,11 @@ class Fault:
             time.sleep(10**6)
         return self.kind == "nan"
 
+    def at_preemption_save(self, rank: int) -> None:
+        """The ``repeat=2`` signal: sent as the preemption checkpoint's save starts."""
+        if self.kind == "signal" and self.repeat > 1 and rank == self.rank:
+            self._send(rank, "again, during the preemption checkpoint's save")
+
 
 def fault_from_env() -> Fault | None:
     spec = os.environ.get("FULLSHARD_FAULT", "")
@@ -53,20 +72,31 @@ def fault_from_env() -> Fault | None:
         return None
     kind, *fields = spec.split(":")
     values = dict(f.split("=", 1) for f in fields)
-    if kind not in ("kill", "hang", "nan"):
-        raise FullshardError(f"FULLSHARD_FAULT: unknown fault {kind!r} (kill, hang or nan)")
-    return Fault(kind, int(values.get("rank", 0)), int(values.get("step", 1)))
+    if kind not in KINDS:
+        raise FullshardError(f"FULLSHARD_FAULT: unknown fault {kind!r} ({', '.join(KINDS)})")
+    name = values.get("sig", "TERM").upper().removeprefix("SIG")
+    if name not in ("TERM", "USR1"):
+        raise FullshardError(f"FULLSHARD_FAULT: sig={name}: use sig=TERM or sig=USR1")
+    return Fault(
+        kind,
+        int(values.get("rank", 0)),
+        int(values.get("step", 1)),
+        signal.Signals["SIG" + name],
+        int(values.get("repeat", 1)),
+    )
 
 
-def agree_nonfinite(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
-    """1.0 on every rank if any rank's loss, or the global gradient norm, is not finite, else 0.0.
+def agree_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """``[non-finite, stop]``, the same on every rank: 1.0 in the first if any rank's loss or
+    the global gradient norm is not finite; in the second the largest of the ranks' ``stop``
+    flags (this rank's: 0, or the number of the stop signal it got; NOTE [Preemption]).
 
-    The vote stays on the device (no host read here): this rank's 0/1 flag is built with
-    ``torch.isfinite`` and all-reduced (MAX), and the caller reads it together with the step's
-    other figures in the step's one synchronisation. The gradient norm is already global
-    (``clip_grad_norm_`` all-reduces it); voting on it too costs nothing and keeps the verdict
-    one tensor.
+    One MAX all-reduce for both verdicts, on the device (no host read here): every rank skips
+    the same step and stops after the same step, and the caller reads the votes together with
+    the step's other figures in the step's one synchronisation. The gradient norm is already
+    global (``clip_grad_norm_`` all-reduces it); voting on it too costs nothing. ``stop`` must
+    already be on the device (filled there, not copied from the host).
     """
     finite = torch.isfinite(loss.detach()).all() & torch.isfinite(grad_norm.detach()).all()
-    flag = (~finite).to(torch.float64).reshape(1)
-    return control.all_reduce_values(flag, "max", what="non-finite vote all-reduce")
+    votes = torch.cat([(~finite).to(torch.float64).reshape(1), stop.to(torch.float64).reshape(1)])
+    return control.all_reduce_values(votes, "max", what="step vote all-reduce")

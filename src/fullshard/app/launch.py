@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
 from fullshard.app.config import ConfigError
+from fullshard.app.preempt import MARKER_ENV, PREEMPTED_EXIT, ForwardSignals, read_marker
 from fullshard.dist import control
 from fullshard.dist.device import cuda_usable
 
@@ -103,11 +105,15 @@ def launch_local(
     env: dict[str, str] | None = None,
     timeout_s: float | None = None,
 ) -> int:
-    """Run ``python -m <module> <argv>`` on ``nproc`` local ranks through torch.distributed.run.
+    """Run ``python -m <module> <argv>`` on ``nproc`` local ranks through torch.distributed.run
+    (wrapped by :func:`fullshard.app.preempt.run_torchrun`).
 
     Returns the launcher's exit status (non-zero when any rank failed; torchrun then stops the
-    others rather than letting them wait for a dead peer). With ``timeout_s`` the launcher runs
-    in its own session, and on timeout it and its ranks are ended together (status 124).
+    others rather than letting them wait for a dead peer), or ``PREEMPTED_EXIT`` (75) when the
+    ranks stopped on a stop signal with a complete checkpoint (NOTE [Preemption]): SIGTERM or
+    SIGUSR1 sent to this process is passed on to torchrun, whose agent passes it to the ranks.
+    With ``timeout_s`` the launcher runs in its own session, and on timeout it and its ranks
+    are ended together (status 124).
     """
     env = dict(os.environ if env is None else env)
     # Local CPU runs talk over loopback; without this gloo may pick an interface that does not
@@ -119,22 +125,41 @@ def launch_local(
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "fullshard.app.preempt",  # torch.distributed.run, with a quiet preempted status
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
+        # The agent turns these into "pass the signal to the workers, wait, then SIGKILL";
+        # by default SIGUSR1 (SLURM's usual warning) is not among them and would kill it.
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         "-m",
         module,
         *argv,
     ]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=timeout_s is not None)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        print(f"fullshard: launch timed out after {timeout_s:.0f} s: {argv}", file=sys.stderr)
-        return 124
+    with tempfile.TemporaryDirectory(prefix="fullshard-launch-") as tmp:
+        # torchrun reports a preempted rank (status 75) and a failed one alike (status 1):
+        # rank 0 writes this file once the preemption checkpoint is committed
+        marker = env[MARKER_ENV] = os.path.join(tmp, "preempted.json")
+        proc = subprocess.Popen(cmd, env=env, start_new_session=timeout_s is not None)
+        with ForwardSignals(proc) as forwarded:
+            try:
+                status = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                print(
+                    f"fullshard: launch timed out after {timeout_s:.0f} s: {argv}", file=sys.stderr
+                )
+                return 124
+        if read_marker(marker) is not None:
+            return PREEMPTED_EXIT
+    if forwarded.requested and status != 0:
+        print(
+            f"fullshard: {forwarded.name()} passed on to the ranks, but they did not report a "
+            f"complete checkpoint (launcher status {status})",
+            file=sys.stderr,
+        )
+    return status
 
 
 BACKENDS = ("auto", "nccl", "gloo")

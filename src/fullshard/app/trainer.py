@@ -30,7 +30,7 @@ from fullshard.app.data import (
     load_tokens,
     split_for_rank,
 )
-from fullshard.app.faults import NonFiniteError, agree_nonfinite, fault_from_env
+from fullshard.app.faults import NonFiniteError, agree_step, fault_from_env
 from fullshard.app.launch import DistInfo, rank_session, world_size_from_env
 from fullshard.app.models import (
     build_model,
@@ -42,6 +42,13 @@ from fullshard.app.models import (
     unit_types_of,
 )
 from fullshard.app.monitor import MetricsLog, format_mem, gather_memory, make_run_dir, plot_losses
+from fullshard.app.preempt import (
+    PREEMPTED_EXIT,
+    StopSignals,
+    clear_marker,
+    signal_name,
+    write_marker,
+)
 from fullshard.dist import control
 
 __all__ = ["log_line", "lr_lambda", "param_groups", "progress_bar", "to_device", "train"]
@@ -219,114 +226,122 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
     losses: list[float] = []
     start = last_t = time.perf_counter()
     last_step, first_loss, last_loss, val_loss = done, float("nan"), float("nan"), None
-    stopped, step = False, done
-    for step in range(done + 1, cfg.max_steps + 1):
-        poison = fault.at_step(step, rank) if fault is not None else False
-        # The step's figures (loss, gradient norm, non-finite vote) stay on the device until
-        # the step's one read below: no per-micro-batch float(loss) stalls the host.
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for k in range(cfg.grad_accum):
-            # Reduce-scatter gradients only on the last micro-batch; earlier ones accumulate
-            # into the unsharded gradients locally.
-            set_gradient_sync(model, k == cfg.grad_accum - 1)
-            x, y = sampler.next_batch()
-            loss = lm_loss(model, to_device(x, device), to_device(y, device)) / cfg.grad_accum
-            if poison:
-                loss = loss * float("nan")
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            loss_sum += loss.detach().double()
-        if scaler is not None:
-            scaler.unscale_(opt)
-        norm = clip_gradients(model.parameters(), cfg.clip)
-        figures = [loss_sum, norm.detach().to(device, torch.float64).reshape(())]
-        if scaler is None:  # with fp16 the scaler's own vote decides (it skips and rescales)
-            figures.append(agree_nonfinite(loss_sum, norm).to(device).reshape(()))
-        # The step's one host synchronisation: the host must know the verdict before the
-        # optimizer step, because a non-finite step is skipped on every rank.
-        read = torch.stack(figures).tolist()
-        step_loss, grad_norm = read[0], read[1]
-        bad = scaler is None and read[2] > 0
-        if bad:
-            # every rank reached the same verdict: no rank's parameters change this step
-            skipped.append(step)
-            if cfg.on_nonfinite == "stop":
-                raise NonFiniteError(
-                    f"rank {rank}: step {step} produced a non-finite loss or gradient "
-                    f"(loss {step_loss}, gradient norm {grad_norm}); stopping (--on-nonfinite "
-                    "stop). Lower --lr, check the data, or use --on-nonfinite skip."
-                )
-            if log is not None:
-                log.write({"step": step, "skipped": "non-finite loss or gradient"})
-            if rank == 0:
-                print(
-                    f"step {step}: non-finite loss or gradient, optimizer step skipped", flush=True
-                )
-        lr = sched.get_last_lr()[0]
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        elif not bad:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        if not bad:  # a skipped step leaves the schedule where it was, too
-            sched.step()
-            losses.append(step_loss)
+    stopped = preempted = False
+    step = done
+    if rank == 0:
+        clear_marker()  # this attempt trains on: an earlier attempt's preemption is over
+    # NOTE [Preemption]: from here on a stop signal only sets a flag, which the step votes on
+    with StopSignals() as signals:
+        for step in range(done + 1, cfg.max_steps + 1):
+            poison = fault.at_step(step, rank) if fault is not None else False
+            # The step's figures (loss, gradient norm, votes) stay on the device until the
+            # step's one read below: no per-micro-batch float(loss) stalls the host.
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            for k in range(cfg.grad_accum):
+                # Reduce-scatter gradients only on the last micro-batch; earlier ones
+                # accumulate into the unsharded gradients locally.
+                set_gradient_sync(model, k == cfg.grad_accum - 1)
+                x, y = sampler.next_batch()
+                loss = lm_loss(model, to_device(x, device), to_device(y, device)) / cfg.grad_accum
+                if poison:
+                    loss = loss * float("nan")
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                loss_sum += loss.detach().double()
+            if scaler is not None:
+                scaler.unscale_(opt)
+            norm = clip_gradients(model.parameters(), cfg.clip)
+            figures = torch.stack([loss_sum, norm.detach().to(device, torch.float64).reshape(())])
+            # Every precision votes: with fp16 the scaler's own vote decides skipping (it skips
+            # and rescales), but the ranks must still agree on when to stop.
+            votes = agree_step(loss_sum, norm, signals.flag(device)).to(device)
+            # The step's one host synchronisation: the host must know the verdict before the
+            # optimizer step, because a non-finite step is skipped on every rank.
+            step_loss, grad_norm, nonfinite, stop = torch.cat([figures, votes]).tolist()
+            bad = scaler is None and nonfinite > 0
+            # a signal after the last step's vote changes nothing: the run is complete
+            preempted = stop > 0 and step < cfg.max_steps
+            if bad:
+                # every rank reached the same verdict: no rank's parameters change this step
+                skipped.append(step)
+                if cfg.on_nonfinite == "stop":
+                    raise NonFiniteError(
+                        f"rank {rank}: step {step} produced a non-finite loss or gradient "
+                        f"(loss {step_loss}, gradient norm {grad_norm}); stopping "
+                        "(--on-nonfinite stop). Lower --lr, check the data, or use "
+                        "--on-nonfinite skip."
+                    )
+                if log is not None:
+                    log.write({"step": step, "skipped": "non-finite loss or gradient"})
+                if rank == 0:
+                    print(
+                        f"step {step}: non-finite loss or gradient, optimizer step skipped",
+                        flush=True,
+                    )
+            lr = sched.get_last_lr()[0]
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            elif not bad:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            if not bad:  # a skipped step leaves the schedule where it was, too
+                sched.step()
+                losses.append(step_loss)
 
-        if cfg.save_every > 0 and step % cfg.save_every == 0:
-            ckpt.save(step)
-        stopped = cfg.stop_after > 0 and step - done >= cfg.stop_after and step < cfg.max_steps
-        is_eval = step == cfg.max_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
-        if bad or not (step == 1 or step % cfg.log_every == 0 or is_eval or stopped):
-            if bar is not None:
-                bar.update(1)
-            continue
-        # Logged step: a few tiny collectives, on every rank.
-        mean_loss = _global_mean(losses)
-        losses.clear()
-        mem = gather_memory(device)
-        val_loss = evaluate(model, val, device) if is_eval else None
-        now = time.perf_counter()
-        tok_s = tokens_per_step * (step - last_step) / (now - last_t)
-        last_step, last_t = step, now
-        first_loss = mean_loss if math.isnan(first_loss) else first_loss
-        last_loss = mean_loss
-        if log is not None:
-            record: dict[str, Any] = {
-                "step": step,
-                "loss": round(mean_loss, 5),
-                "lr": lr,
-                "grad_norm": round(grad_norm, 5),
-                "tokens_per_s": round(tok_s, 1),
-                "elapsed_s": round(now - start, 2),
-                "mem_mib": mem["rss_mib"],
-            }
-            if "cuda_peak_mib" in mem:
-                record["cuda_peak_mib"] = mem["cuda_peak_mib"]
-            if val_loss is not None:
-                record["val_loss"] = round(val_loss, 5)
-            log.write(record)
-        if bar is not None and not bar.disable:
-            bar.set_postfix_str(
-                f"loss {mean_loss:.3f} | {tok_s:,.0f} tok/s | mem {format_mem(mem)}"
-            )
-            bar.update(1)
-            if val_loss is not None:
-                bar.write(f"step {step}: val_loss {val_loss:.4f}")
-        elif rank == 0:  # no bar on screen: a plain line per logged step
-            line = log_line(step, cfg.max_steps, mean_loss, tok_s, format_mem(mem))
-            print(line + ("" if val_loss is None else f" | val_loss {val_loss:.4f}"), flush=True)
-        if stopped:  # as if preempted here: checkpoint, then leave
-            if ckpt.last_saved != step:
+            if cfg.save_every > 0 and step % cfg.save_every == 0:
                 ckpt.save(step)
-            if rank == 0:
-                print(f"stopped after step {step} (--stop-after); resume with --resume latest")
-            break
-    wall = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
-    if not stopped and ckpt.last_saved != cfg.max_steps:
-        ckpt.save(cfg.max_steps)  # the finished run's weights: resume, convert or export them
-    ckpt.wait()
+            stopped = preempted or (
+                cfg.stop_after > 0 and step - done >= cfg.stop_after and step < cfg.max_steps
+            )
+            is_eval = step == cfg.max_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+            if bad or not (step == 1 or step % cfg.log_every == 0 or is_eval or stopped):
+                if bar is not None:
+                    bar.update(1)
+            else:
+                # Logged step: a few tiny collectives, on every rank.
+                mean_loss = _global_mean(losses)
+                losses.clear()
+                mem = gather_memory(device)
+                val_loss = evaluate(model, val, device) if is_eval else None
+                now = time.perf_counter()
+                tok_s = tokens_per_step * (step - last_step) / (now - last_t)
+                last_step, last_t = step, now
+                first_loss = mean_loss if math.isnan(first_loss) else first_loss
+                last_loss = mean_loss
+                if log is not None:
+                    log.write(
+                        _record(step, mean_loss, lr, grad_norm, tok_s, now - start, mem, val_loss)
+                    )
+                if bar is not None and not bar.disable:
+                    bar.set_postfix_str(
+                        f"loss {mean_loss:.3f} | {tok_s:,.0f} tok/s | mem {format_mem(mem)}"
+                    )
+                    bar.update(1)
+                    if val_loss is not None:
+                        bar.write(f"step {step}: val_loss {val_loss:.4f}")
+                elif rank == 0:  # no bar on screen: a plain line per logged step
+                    line = log_line(step, cfg.max_steps, mean_loss, tok_s, format_mem(mem))
+                    print(
+                        line + ("" if val_loss is None else f" | val_loss {val_loss:.4f}"),
+                        flush=True,
+                    )
+            if stopped:  # --stop-after, or a stop signal: checkpoint, then leave
+                if preempted and fault is not None:
+                    fault.at_preemption_save(rank)
+                if ckpt.last_saved != step:
+                    ckpt.save(step)
+                ckpt.wait()  # committed (an async save too) before any rank leaves
+                if rank == 0 and preempted:
+                    _report_preemption(step, ckpt.resolve("latest"), signal_name(stop))
+                elif rank == 0:
+                    print(f"stopped after step {step} (--stop-after); resume with --resume latest")
+                break
+        wall = time.perf_counter() - start
+        if bar is not None:
+            bar.close()
+        if not stopped and ckpt.last_saved != cfg.max_steps:
+            ckpt.save(cfg.max_steps)  # the finished run's weights: resume, convert or export them
+        ckpt.wait()
 
     sample = ""
     if cfg.sample_tokens > 0 and not stopped:
@@ -344,7 +359,8 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
         "world_size": world,
         "strategy": cfg.strategy,
         "steps": cfg.max_steps,
-        "stopped_after": step if stopped else None,
+        "stopped_after": step if stopped and not preempted else None,
+        "preempted_after": step if preempted else None,
         "resumed_from": done or None,
         "skipped_nonfinite": skipped,
         "start_loss": first_loss,
@@ -356,13 +372,15 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
     }
     if rank == 0 and run_dir is not None and log is not None:
         log.close()
+        (run_dir / "summary.json").write_text(
+            json.dumps(summary, indent=2) + "\n", encoding="utf-8"
+        )
+        if preempted:  # the one line is out; no plot, no sample: the run is not finished
+            return summary
         plot_losses(
             log.records, run_dir / "loss.png", f"{cfg.model} on {world} ranks ({cfg.strategy})"
         )
         (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
-        (run_dir / "summary.json").write_text(
-            json.dumps(summary, indent=2) + "\n", encoding="utf-8"
-        )
         print(
             f"done: steps {done + 1}-{step} in {wall:.1f}s, loss {first_loss:.3f} -> {last_loss:.3f}, "
             f"val {val_loss if val_loss is None else round(val_loss, 4)}, "
@@ -373,3 +391,40 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
             print(f"--- sample ---\n{sample}\n--------------", flush=True)
         print(f"run folder: {run_dir}", flush=True)
     return summary
+
+
+def _record(
+    step: int,
+    loss: float,
+    lr: Any,  # what the scheduler holds: a float (a tensor for capturable optimizers)
+    grad_norm: float,
+    tok_s: float,
+    elapsed: float,
+    mem: dict[str, Any],
+    val_loss: float | None,
+) -> dict[str, Any]:
+    """One logged step's line of metrics.jsonl."""
+    record: dict[str, Any] = {
+        "step": step,
+        "loss": round(loss, 5),
+        "lr": lr,
+        "grad_norm": round(grad_norm, 5),
+        "tokens_per_s": round(tok_s, 1),
+        "elapsed_s": round(elapsed, 2),
+        "mem_mib": mem["rss_mib"],
+    }
+    if "cuda_peak_mib" in mem:
+        record["cuda_peak_mib"] = mem["cuda_peak_mib"]
+    if val_loss is not None:
+        record["val_loss"] = round(val_loss, 5)
+    return record
+
+
+def _report_preemption(step: int, checkpoint: str | None, signal: str) -> None:
+    """Rank 0's one line about a preemption, and the marker its launcher reads."""
+    print(
+        f"preempted after step {step} ({signal}): checkpoint {checkpoint} is complete; exiting with "
+        f"status {PREEMPTED_EXIT}. Resume: the same command with --resume latest",
+        flush=True,
+    )
+    write_marker(step, checkpoint, signal)
