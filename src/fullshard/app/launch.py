@@ -96,6 +96,18 @@ def forward_flags(
     return flags
 
 
+def _signal_flags() -> list[str]:
+    """torchrun's agent turns the signals it handles into "pass the signal to the workers, wait,
+    then SIGKILL"; by default SIGUSR1 (SLURM's usual warning) is not among them and would kill
+    it. Older torch (before ``--signals-to-handle``) gets SIGTERM forwarded instead (see
+    :class:`fullshard.app.preempt.ForwardSignals`)."""
+    from torch.distributed.run import get_args_parser
+
+    if "--signals-to-handle" not in get_args_parser()._option_string_actions:
+        return []
+    return ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+
+
 def launch_local(
     nproc: int,
     argv: list[str],
@@ -122,6 +134,7 @@ def launch_local(
     # Set it ourselves so torchrun does not print its OMP_NUM_THREADS warning; the drivers set
     # torch's thread count from --threads anyway.
     env.setdefault("OMP_NUM_THREADS", "1")
+    signal_flags = _signal_flags()
     cmd = [
         sys.executable,
         "-m",
@@ -129,9 +142,7 @@ def launch_local(
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
-        # The agent turns these into "pass the signal to the workers, wait, then SIGKILL";
-        # by default SIGUSR1 (SLURM's usual warning) is not among them and would kill it.
-        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        *signal_flags,
         "-m",
         module,
         *argv,
@@ -141,7 +152,7 @@ def launch_local(
         # rank 0 writes this file once the preemption checkpoint is committed
         marker = env[MARKER_ENV] = os.path.join(tmp, "preempted.json")
         proc = subprocess.Popen(cmd, env=env, start_new_session=timeout_s is not None)
-        with ForwardSignals(proc) as forwarded:
+        with ForwardSignals(proc, send=None if signal_flags else signal.SIGTERM) as forwarded:
             try:
                 status = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

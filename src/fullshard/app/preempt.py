@@ -147,15 +147,16 @@ class ForwardSignals(_Signals):
     they save). Later signals are recorded and dropped; this process never dies of them.
     """
 
-    def __init__(self, child: subprocess.Popen[Any]) -> None:
+    def __init__(self, child: subprocess.Popen[Any], *, send: int | None = None) -> None:
         super().__init__()
         self.child = child
+        self.send = send  # the signal passed on (None: the one received)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         first = not self.received
         super()._handle(signum, frame)
-        if first:
-            self.child.send_signal(signum)  # a no-op once the child has exited
+        if first:  # a no-op once the child has exited
+            self.child.send_signal(signum if self.send is None else self.send)
 
 
 def write_marker(step: int, checkpoint: str | None, by: str) -> None:
