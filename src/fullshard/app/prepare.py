@@ -72,7 +72,9 @@ class PrepareOptions:
     val_fraction: float = 0.05
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     workers: int = 0  # 0: one per CPU
-    chunk_chars: int = 4 << 20  # characters read per chunk (tests use small chunks)
+    # characters read per chunk (tests use small chunks); a worker holds a batch's encodings,
+    # a few hundred bytes per token, so 1 Mi characters keep a worker near 300 MiB
+    chunk_chars: int = 1 << 20
     progress: bool = True
 
 
