@@ -72,6 +72,10 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
+        # Every rank has finished gloo's connection handshake before any runs fn: a rank that
+        # raised at once and closed its sockets broke a peer still in init_process_group
+        # ("Connection closed by peer" in connectFullMesh, seen once in a CI run).
+        dist.barrier()
         out = fn(rank, world_size, *args)
         # Tensors go through the queue as bytes: shared-memory handles would die with the rank.
         buf = io.BytesIO()
