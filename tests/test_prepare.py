@@ -33,7 +33,8 @@ from fullshard.app.data import (
     split_for_rank,
 )
 from fullshard.app.prepare import PrepareOptions, prepare
-from fullshard.app.token_shards import INDEX, TokenShards, file_sha256
+from fullshard.app.token_shards import INDEX, TokenShards
+from fullshard.checkpoint.store import file_sha256
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 WORDS = ["the", "quick", "brown", "fox", "naïve", "café", "日本", "jumps", "over", "a", "lazy"]

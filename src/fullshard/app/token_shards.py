@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from fullshard.app.config import ConfigError
+from fullshard.checkpoint.store import file_sha256
 
 __all__ = [
     "FORMAT",
@@ -61,7 +62,6 @@ __all__ = [
     "TokenSource",
     "TokenStream",
     "dtype_for_vocab",
-    "file_sha256",
     "is_prepared",
     "read_index",
     "tokenizer_identity",
@@ -73,7 +73,6 @@ FORMAT = "fullshard-tokens"
 FORMAT_VERSION = 1
 INDEX = "index.json"
 SPLITS = ("train", "val")
-_HASH_BLOCK = 8 << 20  # bytes read per step when hashing: memory stays flat
 
 
 class TokenSource(Protocol):
@@ -104,15 +103,6 @@ def dtype_for_vocab(vocab_size: int) -> str:
     if vocab_size <= 1 << 8:
         return "uint8"
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def file_sha256(path: str | Path) -> str:
-    """sha256 of a file, read in blocks (never mapped: resident memory stays flat)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tokenizer_identity(spec: str, vocab_size: int | None = None) -> dict[str, Any]:

@@ -66,10 +66,12 @@ def latest_checkpoint(root: str) -> str | None:
     return step_dir(root, steps[-1]) if steps else None
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file, read in blocks (never mapped: resident memory stays flat); checkpoint
+    manifests and prepared token shards (``fullshard.app.token_shards``) both use it."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        while block := f.read(8 << 20):
             h.update(block)
     return h.hexdigest()
 
@@ -79,7 +81,7 @@ def write_manifest(folder: str, extra: dict[str, Any] | None = None) -> None:
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if name != MANIFEST and os.path.isfile(path):
-            files[name] = {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+            files[name] = {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
     with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
         json.dump({"files": files, **(extra or {})}, f, indent=1)
     os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
@@ -99,7 +101,7 @@ def verify(folder: str) -> str:
         size = os.path.getsize(p)
         if size != want["bytes"]:
             return f"{p} has {size} bytes, the manifest says {want['bytes']} (truncated?)"
-        if _sha256(p) != want["sha256"]:
+        if file_sha256(p) != want["sha256"]:
             return f"{p} does not match its SHA-256 in the manifest (corrupted)"
     return ""
 
