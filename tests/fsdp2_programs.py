@@ -381,3 +381,17 @@ def list_program(rank: int, world: int, impl: str) -> dict:
     fully_shard([model.norm, model.head])
     fully_shard(model)
     return {"diff": _train_against(model, ref, rank, world)}
+
+
+def shard_placement_program(rank: int, world: int, impl: str) -> dict:
+    """``shard_placement_fn``: Shard(1) for the 2-D weights whose dim 1 divides by the world
+    size, Shard(0) for the rest (uneven dim-0 rows included); AdamW against one process."""
+    from torch.distributed.tensor import Shard
+
+    def fn(p: nn.Parameter) -> Shard | None:
+        return Shard(1) if p.dim() == 2 and p.shape[1] % world == 0 else None
+
+    ref, model = _setup()
+    shard(model, impl, shard_placement_fn=fn)
+    placements = {k: str(tuple(p.placements)) for k, p in model.named_parameters()}
+    return {"diff": _train_against(model, ref, rank, world, steps=3), "placements": placements}

@@ -170,9 +170,6 @@ def _bad(rank: int, world: int, case: str) -> str:
     try:
         if case == "int":
             fully_shard(model.blocks[0], reshard_after_forward=3)
-        elif case == "shared":
-            model.blocks[1].fc1 = model.blocks[0].fc1  # one parameter in two list modules
-            fully_shard([model.blocks[0], model.blocks[1]])
         elif case == "ignored":
             fully_shard(model.blocks[0], ignored_params={model.blocks[1].gate})
         elif case == "dtypes":
@@ -187,7 +184,6 @@ def _bad(rank: int, world: int, case: str) -> str:
     "case, words",
     [
         ("int", ["reshard_after_forward=3", "must divide the shard group size 4", "[1, 2, 4]"]),
-        ("shared", ["shared by modules 0 and 1", "common parent"]),
         ("ignored", ["1 of the ignored_params", "are not parameters"]),
         ("dtypes", ["computed in", "reduce_dtype"]),
     ],

@@ -6,6 +6,7 @@ Each case prints its largest difference under both imports (``pytest -s`` shows 
 
 from __future__ import annotations
 
+import fsdp2_gaps
 import fsdp2_programs as progs
 import pytest
 from harness import run_ranks
@@ -44,6 +45,18 @@ def test_fsdp2_program_matches_one_process_under_both_imports(
     for impl in IMPLS:
         for r in res[impl]:
             assert r["diff"] <= EXACT, (impl, r)
+
+
+def test_what_torchs_fsdp2_tests_exercise_matches_one_process_under_both_imports() -> None:
+    # one launch per import for every case (fsdp2_gaps.CASES): each launch costs seconds
+    res = _both(fsdp2_gaps.gaps_program, 2)
+    for case in fsdp2_gaps.CASES:
+        per = {i: [r[case] for r in res[i]] for i in IMPLS}
+        _report(case, per)
+        for impl in IMPLS:
+            for r in per[impl]:
+                assert r["diff"] <= EXACT, (case, impl, r)
+                assert all(v for k, v in r.items() if k != "diff"), (case, impl, r)
 
 
 def test_dcp_options_and_fullshard_state_dicts_agree_with_torch() -> None:
@@ -85,3 +98,15 @@ def test_mixed_precision_policy_matches_fsdp2() -> None:
         scale = max(float(v.abs().max()) for v in t["grads"].values())
         print(f"\ncompat mixed precision (bf16, reduce_dtype None): torch vs fullshard {diff:.1e}")
         assert diff <= 1e-2 * scale, (diff, scale)
+
+
+def test_shard_placement_fn_matches_fsdp2() -> None:
+    # Shard(1) weights beside uneven Shard(0) ones: the same placements under both imports,
+    # each equal to one process
+    res = _both(progs.shard_placement_program, 2)
+    _report("shard_placement_fn", res)
+    for impl in IMPLS:
+        for r in res[impl]:
+            assert r["diff"] <= EXACT, (impl, r)
+    assert res["torch"][0]["placements"] == res["fullshard"][0]["placements"]
+    assert "Shard(dim=1)" in res["fullshard"][0]["placements"]["head.weight"]

@@ -9,6 +9,7 @@ from fullshard.engine.api import (
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    share_comm_ctx,
 )
 from fullshard.engine.gradients import ShardedGradScaler, clip_grad_norm_
 from fullshard.engine.parallelize import apply_plan, parallelize
@@ -47,6 +48,7 @@ __all__ = [
     "fully_shard",
     "get_state_dict",
     "set_state_dict",
+    "share_comm_ctx",
     "parallelize",
     "plan_sharding",
     "register_fsdp_forward_method",

@@ -15,6 +15,10 @@ class FullshardError(RuntimeError):
     """An error fullshard raises on every rank: what is wrong, where, and what to do."""
 
 
+class SharedParameterError(FullshardError, ValueError):
+    """A parameter is tied across two units (a ``ValueError`` too, as FSDP2 raises)."""
+
+
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """Dtypes for gathering/computing, reducing gradients and casting outputs.

@@ -7,8 +7,9 @@ local tensor of a DTensor. :func:`load_safetensors` fills exactly those rows fro
 files: safetensors maps each file and ``get_slice(key)[a:b]`` reads only the bytes of the rows
 asked for, so a rank's peak host memory is its shard plus one slice, not the model. The box a
 rank owns is computed from the DTensor's own mesh and placements
-(``compute_local_shape_and_global_offset``), so ``Shard(0)``, HSDP's ``(Replicate(), Shard(0))``
-and uneven or empty shards need no special case. Rows are copied *into* the local tensor, which
+(``compute_local_shape_and_global_offset``), so ``Shard(0)``, ``Shard(k)`` (a rank's columns:
+``get_slice`` slices any dim), HSDP's ``(Replicate(), Shard(k))`` and uneven or empty shards need
+no special case. Rows are copied *into* the local tensor, which
 the engine keeps as a view of its unit's flat buffer: the parameter objects, the optimizer's
 references and the one-collective-per-unit layout all stay as they are.
 

@@ -2,8 +2,8 @@
 
 Same call shapes and the same format as ``torch.distributed.checkpoint.state_dict`` with FSDP2:
 
-- model: ``{fqn: DTensor}`` (``module.state_dict()``, each parameter ``Shard(0)`` over the rank's
-  shard, no copy) plus plain buffers;
+- model: ``{fqn: DTensor}`` (``module.state_dict()``, each parameter ``Shard(0)``, or the
+  ``Shard(k)`` of its ``shard_placement_fn``, over the rank's shard, no copy) plus plain buffers;
 - optimizer: ``{"state": {fqn: {name: DTensor | tensor}}, "param_groups": [{..., "params":
   [fqn, ...]}]}``; every state tensor shaped like its parameter's shard becomes a DTensor with
   the parameter's placements and global shape, so DCP reshards it like the parameter; scalars

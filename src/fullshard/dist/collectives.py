@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from fullshard.dist.desync import (
     debug_enabled,
     explain_failure,
     fingerprint_check,
+    timed_wait,
 )
 from fullshard.dist.device import check_tensor
 
@@ -163,7 +164,7 @@ class Pending:
             self._stats.poll()
         t0 = time.perf_counter()
         try:
-            ok = work.wait(self._timeout)
+            ok = timed_wait(work, self._timeout)
         except RuntimeError as exc:  # gloo raises on timeout or on a peer that went away
             self._fail(f"failed ({str(exc).splitlines()[0][:200]})")
         if ok is False:
@@ -367,33 +368,53 @@ class Comm:
     unit: str
     stats: CommStats = field(default_factory=CommStats)
     replicate_group: dist.ProcessGroup | None = None
+    # FSDP2's set_custom_all_gather / set_custom_reduce_scatter: objects with
+    # ``allocate(size, *, dtype, device)`` and ``__call__(out, inp, group, [op,] async_op)``
+    custom_all_gather: Any = None
+    custom_reduce_scatter: Any = None
 
     def position(self, kind: str, phase: str, index: int) -> Position:
         return self.stats.next_position(kind, self.unit, phase, index)
 
+    def gather_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The all-gather output (from the custom comm's allocator when there is one)."""
+        if self.custom_all_gather is not None:
+            return self.custom_all_gather.allocate((numel,), dtype=dtype, device=device)  # type: ignore[no-any-return]
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def reduce_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The reduce-scatter output (from the custom comm's allocator when there is one)."""
+        if self.custom_reduce_scatter is not None:
+            return self.custom_reduce_scatter.allocate((numel,), dtype=dtype, device=device)  # type: ignore[no-any-return]
+        return torch.empty(numel, dtype=dtype, device=device)
+
     def all_gather(self, out: torch.Tensor, send: torch.Tensor, pos: Position) -> Pending:
-        return all_gather(
-            out,
-            send,
-            self.group,
-            what=f"all-gather ({pos.phase}) of unit '{self.unit}'",
-            timeout=self.timeout,
-            stats=self.stats,
-            unit=self.unit,
-            position=pos,
+        what = f"all-gather ({pos.phase}) of unit '{self.unit}'"
+        custom = self.custom_all_gather
+        if custom is None:
+            return all_gather(out, send, self.group, position=pos, **self._bound(what))
+        work_fn = lambda: custom(out, send, self.group, async_op=True)  # noqa: E731
+        nbytes = out.numel() * out.element_size()
+        return _issue(
+            "all_gather", work_fn, out, nbytes, group=self.group, position=pos, **self._bound(what)
         )
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, pos: Position) -> Pending:
-        return reduce_scatter(
-            out,
-            full,
-            self.group,
-            what=f"reduce-scatter of unit '{self.unit}'",
-            timeout=self.timeout,
-            stats=self.stats,
-            unit=self.unit,
-            position=pos,
-        )
+        what = f"reduce-scatter of unit '{self.unit}'"
+        custom = self.custom_reduce_scatter
+        if custom is None:
+            return reduce_scatter(out, full, self.group, position=pos, **self._bound(what))
+        op = dist.ReduceOp.SUM
+        work_fn = lambda: custom(out, full.view(-1), self.group, op, async_op=True)  # noqa: E731
+        nbytes = full.numel() * full.element_size()
+        return _issue(
+            "reduce_scatter", work_fn, full, nbytes, group=self.group, position=pos,
+            **self._bound(what),
+        )  # fmt: skip
+
+    def _bound(self, what: str) -> dict[str, Any]:
+        """The keyword arguments every collective of this unit passes."""
+        return {"what": what, "timeout": self.timeout, "stats": self.stats, "unit": self.unit}
 
     def all_reduce_replicas(self, tensor: torch.Tensor) -> Pending:
         """HSDP: the sum of a gradient shard over the replicas that hold the same shard."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,9 +25,10 @@ from fullshard.engine.collect import (
 )
 from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, signature
 from fullshard.engine.cpu_rng import install_cpu_shard_rng
-from fullshard.engine.hooks import FSDPState, outside_compile
+from fullshard.engine.hooks import FSDPState, original_uid, outside_compile
 from fullshard.engine.local_step import LOCAL_STEPS
 from fullshard.engine.param import ShardedParam, local_of
+from fullshard.engine.placement import ShardPlacementFn, shard_dims
 from fullshard.engine.state_dict_hooks import install_state_dict_hooks
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import FullshardError, MixedPrecisionPolicy, OffloadPolicy
@@ -144,6 +146,57 @@ class FSDPModule:
         instead of for everything the current stream has queued. Set a new event every step."""
         self._root_state().post_optim_event = event
 
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Replace this unit's all-gather by ``comm`` (FSDP2's ``AllGather``:
+        ``comm.allocate(size, dtype=, device=)`` makes the output, ``comm(output, input, group,
+        async_op=True)`` fills it and returns a work handle or None)."""
+        self._check_comm(comm, "set_custom_all_gather", "AllGather")
+        self._fullshard_state.unit.comm.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Replace this unit's reduce-scatter by ``comm`` (FSDP2's ``ReduceScatter``:
+        ``comm.allocate(...)`` makes the output, ``comm(output, input, group, op, async_op=True)``
+        sums every rank's block for this rank into it; fullshard passes ``ReduceOp.SUM`` and
+        divides afterwards)."""
+        self._check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
+        self._fullshard_state.unit.comm.custom_reduce_scatter = comm
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """``hook(reduce_output)`` runs on this unit's summed gradient shard every reduction:
+        after the reduce-scatter (1-D mesh) or after the HSDP all-reduce (2-D mesh), before the
+        division by the data-parallel size. ``stream``: where it runs (not with HSDP, whose
+        hook runs where the all-reduce ran)."""
+        unit = self._fullshard_state.unit
+        if stream is not None and unit.comm.replicate_group is not None:
+            raise FullshardError(
+                f"set_all_reduce_hook(stream=...) on unit '{unit.name}', which is HSDP (a 2-D "
+                "mesh): its hook runs after the replica all-reduce, on that stream. Drop stream=."
+            )
+        unit.all_reduce_hook = hook
+        unit.all_reduce_hook_stream = stream
+
+    def _check_comm(self, comm: Any, method: str, kind: str) -> None:
+        if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+            raise FullshardError(
+                f"{method} needs an object with allocate(size, *, dtype, device) and __call__ "
+                f"(torch.distributed.fsdp's {kind} interface); got {type(comm).__name__}."
+            )
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception aborted a forward or backward mid-way (FSDP2's): call it
+        on the root, then run the next iteration normally. Collectives in flight are landed and
+        their results dropped; the failed iteration's gradients not yet reduced are lost, as is
+        accumulation without sync (restart a micro-batch sequence)."""
+        state = self._fullshard_state
+        if state.parent is not None or (state.schedule is not None and not state.is_root):
+            raise FullshardError(
+                f"reset_iter_state() was called on unit '{state.unit.name}', which is not a "
+                "root; call it on the outermost module passed to fully_shard."
+            )
+        state.reset_iter_state()
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these units when this one starts its forward (replaces implicit prefetch)."""
         self._explicit("explicit_forward", modules)
@@ -190,6 +243,18 @@ class FSDPModule:
         state.explicit_prefetch[attr] = [m._fullshard_state.unit for m in modules]
         if state.schedule is not None:
             state.apply_explicit_prefetch()
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several roots (pipeline-parallel model chunks) share one communication context,
+    as FSDP2's ``share_comm_ctx``. In fullshard every unit on a device already uses the
+    process's one gather stream and one reduce stream (``engine/streams.py``), so this only
+    checks that each module was passed to ``fully_shard``."""
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise FullshardError(
+                f"share_comm_ctx expects modules passed to fully_shard; got {type(m).__name__}."
+            )
 
 
 @functools.cache
@@ -253,13 +318,14 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    shard_placement_fn: ShardPlacementFn | None = None,
 ) -> Any:
     """Shard ``module``'s parameters over ``mesh`` and gather them around its forward/backward.
 
     Call it on each block first, then on the root model; build the optimizer afterwards.
-    ``module.parameters()`` then yields DTensors (``Shard(0)``; ``(Replicate(), Shard(0))`` on a
-    2-D mesh) whose local tensors are this rank's rows; the module's class becomes a subclass
-    of :class:`FSDPModule`.
+    ``module.parameters()`` then yields DTensors (``Shard(0)``, or what ``shard_placement_fn``
+    chose; ``(Replicate(), Shard(k))`` on a 2-D mesh) whose local tensors are this rank's rows;
+    the module's class becomes a subclass of :class:`FSDPModule`.
 
     Args:
         module: the module, or a list of modules that form one unit (gathered and
@@ -274,6 +340,10 @@ def fully_shard(
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and the optimizer step on CPU.
         ignored_params: parameters of the module(s) to leave alone: not sharded, not moved,
             their gradients not reduced.
+        shard_placement_fn: ``fn(param) -> Shard(k) | None`` (FSDP2's): shard that parameter
+            on dim ``k`` instead of 0 (``None``: dim 0). Dims other than 0 must divide by the
+            shard group size; tensor-parallel and all-gather-extension parameters take dim 0.
+            The unit still moves in one all-gather and one reduce-scatter.
 
     Returns:
         ``module`` (the list, for a list), changed in place.
@@ -296,14 +366,16 @@ def fully_shard(
             f"reshard_after_forward={raf} (resharding to a smaller group) is not supported for "
             "them (nor by FSDP2): pass True or False."
         )
+    names = [f.fqns[0] for f in found]
+    dims = shard_dims(shard_placement_fn, [f.param for f in found], names, info, unit_name, tp)
     entries = [(f.fqns, f.param, f.refs) for f in found]
-    check_same_model(unit_name, signature(entries), info)
+    check_same_model(unit_name, signature(entries, dims), info)
     # a tensor-parallel parameter is sharded by its local tensor (NOTE [Tensor parallel
     # parameters]): the unit's layout and collectives see only TP-local tensors
     local = [local_of(f.param) for f in found]
     params = [
-        ShardedParam(f.fqns, f.refs, i, t.shape, f.param.requires_grad, info, f.owner, spec)
-        for i, (f, t, spec) in enumerate(zip(found, local, tp, strict=True))
+        ShardedParam(f.fqns, f.refs, i, t.shape, f.param.requires_grad, info, f.owners, spec, d)
+        for i, (f, t, spec, d) in enumerate(zip(found, local, tp, dims, strict=True))
     ]
     unit = CommUnit(
         type(modules[0]).__name__,
@@ -322,6 +394,7 @@ def fully_shard(
     # an int reshards after forward too, to the smaller group (CommUnit.set_post_forward_group)
     state = FSDPState(modules, unit, True if unit.post_forward is not None else _bool_or_none(raf))
     state.originals = {id(f.param): (f.fqns[0], weakref.ref(f.param)) for f in found}
+    state.original_uids = {original_uid(f.param): f.fqns[0] for f in found}
     OPTIMIZER_GUARD.track([(f.fqns[0], f.param) for f in found])
     LOCAL_STEPS.install()  # NOTE [Local optimizer steps]
     for i, m in enumerate(modules):

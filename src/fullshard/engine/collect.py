@@ -28,50 +28,49 @@ if TYPE_CHECKING:
 
 @dataclass
 class Found:
-    """One managed parameter: its names (relative to its owning module of the call), the
-    ``(module, attribute)`` pairs that hold it, and which module of the call owns it."""
+    """One managed parameter: its names, each relative to the module of the call it is reached
+    under (``owners``, parallel to ``fqns``: a parameter tied between modules of a list has one
+    name under each), and the ``(module, attribute)`` pairs that hold it. ``owner`` is the
+    first module that reaches it."""
 
     param: nn.Parameter
     owner: int
     fqns: list[str] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)
     refs: list[tuple[nn.Module, str]] = field(default_factory=list)
 
 
 def collect(
     modules: list[nn.Module], ignored: Iterable[torch.Tensor] = ()
 ) -> tuple[list[Found], list[FSDPState]]:
-    """The parameters the call manages (in registration order) and the nested units' states."""
+    """The parameters the call manages (in registration order) and the nested units' states.
+
+    A parameter tied between modules of the list (``fully_shard([tok_embeddings, output])``
+    with a shared weight, FSDP2's recommended form) is one parameter of the unit with a name
+    under each module."""
     from fullshard.engine.api import FSDPModule
 
     skip = {id(p) for p in ignored}
     found: dict[int, Found] = {}
     children: list[FSDPState] = []
-    seen: dict[tuple[int, str], int] = {}  # (module, attribute) -> the list module it is under
-
-    def shared(name: str, first: int, owner: int) -> FullshardError:
-        return FullshardError(
-            f"parameter '{name}' is shared by modules {first} and {owner} of the list given to "
-            "fully_shard; each parameter must belong to one module of the list. Call "
-            "fully_shard on a common parent instead."
-        )
+    seen: set[tuple[int, str, int]] = set()  # (module, attribute, list module) visited
+    held: set[tuple[int, str]] = set()  # (module, attribute) pairs already in some refs
 
     def visit(mod: nn.Module, prefix: str, owner: int) -> None:
         for name, p in mod._parameters.items():
             if p is None or id(p) in skip:
                 continue
-            key = (id(mod), name)
-            if key in seen:  # a submodule reached again (shared inside the unit)
-                if seen[key] != owner:
-                    raise shared(prefix + name, seen[key], owner)
-                continue
-            seen[key] = owner
+            if (id(mod), name, owner) in seen:
+                continue  # a submodule reached again under the same list module
+            seen.add((id(mod), name, owner))
             entry = found.get(id(p))
             if entry is None:
                 entry = found[id(p)] = Found(p, owner)
-            elif entry.owner != owner:
-                raise shared(prefix + name, entry.owner, owner)
             entry.fqns.append(prefix + name)
-            entry.refs.append((mod, name))
+            entry.owners.append(owner)
+            if (id(mod), name) not in held:
+                held.add((id(mod), name))
+                entry.refs.append((mod, name))
         for cname, child in mod._modules.items():
             if child is None:
                 continue

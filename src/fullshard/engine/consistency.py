@@ -25,13 +25,21 @@ from fullshard.engine.extension import is_tensor_subclass
 from fullshard.engine.param import local_of
 from fullshard.policies import FullshardError
 
-Signature = list[tuple[str, tuple[int, ...], str, bool]]
+Signature = list[tuple[str, tuple[int, ...], str, bool, int]]
 
 
-def signature(entries: Sequence[tuple[list[str], torch.Tensor, Any]]) -> Signature:
+def signature(
+    entries: Sequence[tuple[list[str], torch.Tensor, Any]], dims: Sequence[int] | None = None
+) -> Signature:
     """What must be equal across ranks: names, shapes, dtypes (with the tensor subclass, which
-    decides what the all-gather sends: NOTE [All-gather extensions]), trainability."""
-    return [(fqns[0], tuple(p.shape), _dtype(p), p.requires_grad) for fqns, p, _ in entries]
+    decides what the all-gather sends: NOTE [All-gather extensions]), trainability, and the dim
+    ``shard_placement_fn`` shards each parameter on (``dims``; two layouts of the same size
+    would otherwise mix numbers silently)."""
+    dims = dims if dims is not None else [0] * len(entries)
+    return [
+        (fqns[0], tuple(p.shape), _dtype(p), p.requires_grad, d)
+        for (fqns, p, _), d in zip(entries, dims, strict=True)
+    ]
 
 
 def _dtype(p: torch.Tensor) -> str:
@@ -51,7 +59,7 @@ def _differences(sigs: list[Signature], group_ranks: list[int]) -> list[str]:
             lines.append(f"rank {r} has an extra parameter '{name}'")
         for name in sorted(ref.keys() & mine.keys()):
             if ref[name] != mine[name]:
-                (s0, d0, g0), (s1, d1, g1) = ref[name], mine[name]
+                (s0, d0, g0, k0), (s1, d1, g1, k1) = ref[name], mine[name]
                 what = []
                 if s0 != s1:
                     what.append(f"shape {s1} vs {s0}")
@@ -59,6 +67,8 @@ def _differences(sigs: list[Signature], group_ranks: list[int]) -> list[str]:
                     what.append(f"dtype {d1} vs {d0}")
                 if g0 != g1:
                     what.append(f"requires_grad {g1} vs {g0}")
+                if k0 != k1:  # shard_placement_fn must answer alike everywhere
+                    what.append(f"shard_placement_fn dim {k1} vs {k0}")
                 lines.append(
                     f"rank {r}: parameter '{name}' has {', '.join(what)} on rank {group_ranks[0]}"
                 )

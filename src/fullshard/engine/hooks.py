@@ -14,6 +14,15 @@ first event of a backward we ask the engine which of those nodes it will execute
 unit's post-backward at the earliest correct moment, also for unused parameters, frozen
 parameters, activation checkpointing and ``backward(inputs=...)``.
 
+NOTE [Partial forwards of a list unit]
+A unit of several modules (``fully_shard([norm, head])``) is gathered when the first of them
+starts forward and finished (freed, as asked) when every one has run, as in FSDP2. Two patterns
+break "every one": a root forward that skips a module (the chunked loss runs ``head`` later, per
+chunk), and such a module called on its own outside the root's forward. So the root's own
+post-forward finishes every unit still waiting for a module (FSDP2's
+``_force_complete_incomplete_states``), and a call that starts outside the root's forward waits
+for its own module only.
+
 NOTE [Hooks run outside torch.compile]
 ``torch.compile`` traces a module's forward *with* its hooks. Ours gather and free storage
 (``untyped_storage().resize_``, which Inductor cannot lower with dynamic shapes), issue async
@@ -33,6 +42,7 @@ would be reduced before they exist (measured: the toy's loss off by 1e-2 at the 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -42,8 +52,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fullshard.engine.schedule import StepSchedule
-from fullshard.engine.unit import CommUnit
-from fullshard.policies import FullshardError
+from fullshard.engine.unit import CommUnit, UnitState
+from fullshard.policies import FullshardError, SharedParameterError
 
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
@@ -90,11 +100,13 @@ class FSDPState:
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
         self._to_run: set[int] = set()  # modules of the list still to finish this forward
+        self.tree: list[FSDPState] = []  # root only: every state under it, itself included
         # weak references to this step's input nodes (NOTE [Post-backward events])
         self._input_nodes: list[weakref.ref[Node]] = []
         self._events: tuple[int, list[int]] | None = None  # (graph task, [seen, expected])
         # id -> (fqn, weakref) of the original parameters, to catch ties across units
         self.originals: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
+        self.original_uids: dict[int, str] = {}  # original_uid(parameter) -> fqn
         # FSDPModule.set_modules_to_{forward,backward}_prefetch: prefetcher attribute -> units
         self.explicit_prefetch: dict[str, list[CommUnit]] = {}
         self._handles = []
@@ -130,9 +142,15 @@ class FSDPState:
                 )
             st.unit.name = name or "root"
             states.append(st)
+        _check_ties_across_units(states)
         for st in states:
+            if st.unit.state is UnitState.GATHERING:
+                # unshard(async_op=True) before the first forward: land it before the tags are
+                # rewritten and the shards refreshed (the collective may still be reading them)
+                st.unit.wait_for_unshard("unshard()")
             st.unit.refresh_shards()
         _check_materialized(states)
+        self.tree = states
         schedule = StepSchedule(self.unit, [st.unit for st in states])
         schedule.is_last_backward = self.is_last_backward
         for st in states:
@@ -163,10 +181,12 @@ class FSDPState:
         self.lazy_init()
         assert self.schedule is not None
         if not self._to_run:  # the first module of the unit this forward
-            self._to_run = {id(m) for m in self.modules}
             if self.is_root:
                 self.schedule.begin_forward(self.post_optim_event)
                 self.post_optim_event = None
+            # NOTE [Partial forwards of a list unit]
+            inside = self.schedule.in_forward
+            self._to_run = {id(m) for m in self.modules} if inside else {id(module)}
             self.schedule.pre_forward(self.unit)
         mp = self.unit.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
@@ -189,10 +209,30 @@ class FSDPState:
         self._to_run.discard(id(module))
         if self._to_run:
             return output  # other modules of this unit are still to run
-        self.schedule.post_forward(self.unit, self.unit.reshard_after_forward or not grad, grad)
+        if self.is_root:
+            for st in self.tree:  # NOTE [Partial forwards of a list unit]
+                if st._to_run:
+                    st._to_run.clear()
+                    st.finish_forward(grad)
+        self.finish_forward(grad)
         if self.is_root:
             self.schedule.end_forward(grad)
         return output
+
+    def finish_forward(self, grad: bool) -> None:
+        """The unit's forward is over: free it (as asked) and record its place in the order."""
+        assert self.schedule is not None
+        self.schedule.post_forward(self.unit, self.unit.reshard_after_forward or not grad, grad)
+
+    def reset_iter_state(self) -> None:
+        """``FSDPModule.reset_iter_state`` on the root: forget a forward or backward that an
+        exception cut short (every unit resharded, collectives in flight landed and dropped)."""
+        for st in self.tree:
+            st._to_run.clear()
+            st._events = None
+            st._input_nodes = []
+        if self.schedule is not None:
+            self.schedule.reset()
 
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -279,6 +319,39 @@ def _recomputing() -> bool:
     anything: it is part of the unit's backward, which is already gathered.
     """
     return torch._C._current_graph_task_id() != -1
+
+
+_UIDS = itertools.count()
+
+
+def original_uid(param: torch.Tensor) -> int:
+    """A number that names one original parameter for good (stamped on it at first sight)."""
+    uid = getattr(param, "_fullshard_uid", None)
+    if uid is None:
+        uid = next(_UIDS)
+        param._fullshard_uid = uid  # type: ignore[attr-defined]
+    return uid  # type: ignore[no-any-return]
+
+
+def _check_ties_across_units(states: list[FSDPState]) -> None:
+    """A parameter tied between two sibling units would be sharded twice and silently untied
+    by the first optimizer step; refuse it on every rank (FSDP2 raises a ValueError too)."""
+    owner: dict[int, tuple[FSDPState, str]] = {}
+    for st in states:
+        # by a number stamped on each original parameter, not id(): the original is gone once
+        # both units hold shards, and an id may be reused after GC
+        for pid, fqn in st.original_uids.items():
+            name = f"{st.unit.name}.{fqn}" if st.unit.name != "root" else fqn
+            if pid in owner:
+                first, first_name = owner[pid]
+                raise SharedParameterError(
+                    f"rank {st.unit.mesh.rank}: parameter '{name}' of unit '{st.unit.name}' is "
+                    f"shared with parameter '{first_name}' already managed by another unit "
+                    f"('{first.unit.name}'). Tied parameters must live in one unit: pass the "
+                    "modules that share it to one call, e.g. fully_shard([model.tok_embeddings, "
+                    "model.output]), or shard their common parent instead."
+                )
+            owner[pid] = (st, name)
 
 
 def _check_materialized(states: list[FSDPState]) -> None:

@@ -18,9 +18,10 @@ NOTE [Sharded parameters are DTensors]
 FSDP2 programs rely on it: ``torch.nn.utils.clip_grad_norm_`` reduces DTensor norms across
 ranks, DCP's full state dicts call ``full_tensor()``, an EMA of ``model.parameters()`` holds
 what the model holds. Each sharded parameter is therefore an ``nn.Parameter`` DTensor (``Shard(0)``
-on the unit's mesh; ``(Replicate(), Shard(0))`` under HSDP) whose *local tensor is a view of the
-unit's flat shard buffer*: the optimizer's in-place updates land in that buffer, and one
-collective still sends the whole unit. Gradients are DTensors over views of the reduce-scatter
+on the unit's mesh, or the ``Shard(k)`` its ``shard_placement_fn`` chose; ``(Replicate(),
+Shard(k))`` under HSDP) whose *local tensor is a contiguous view of the unit's flat shard
+buffer*: the optimizer's in-place updates land in that buffer, and one collective still sends
+the whole unit. Gradients are DTensors over views of the reduce-scatter
 output. The engine itself only ever touches the local tensors (``ShardedParam.local``).
 """
 
@@ -165,8 +166,9 @@ class ShardedParam:
         shape: torch.Size,
         requires_grad: bool,
         mesh: Any,  # MeshInfo (its device_mesh and placements)
-        owner: int = 0,
+        owners: list[int] | None = None,
         tp: TPSpec | None = None,
+        dim: int = 0,
     ) -> None:
         self.fqns = fqns  # one per ref, relative to the unit's module
         self.fqn = fqns[0]
@@ -175,8 +177,11 @@ class ShardedParam:
         self.shape = shape
         self.requires_grad = requires_grad
         self.mesh = mesh
-        self.owner = owner  # which module of a list given to fully_shard holds it
+        # which module of a list given to fully_shard each name is under (parallel to fqns)
+        self.owners = owners if owners is not None else [0] * len(fqns)
+        self.owner = self.owners[0]
         self.tp = tp  # NOTE [Tensor parallel parameters]; ``shape`` is then the TP-local one
+        self.dim = dim  # the shard dim (``shard_placement_fn``; NOTE [Flat unit layout])
         self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by set_sharded_data
         self.unsharded: nn.Parameter | None = None
         # NOTE [All-gather extensions] (extension.py): wraps a flat-buffer view as the subclass
@@ -205,6 +210,8 @@ class ShardedParam:
     def spmd_placements(self) -> tuple[Placement, ...]:
         """The sharded DTensor's placements (NOTE [Tensor parallel parameters])."""
         dp: tuple[Placement, ...] = self.mesh.placements
+        if self.dim:  # the shard dim is the last mesh dim's (HSDP: after Replicate())
+            dp = (*dp[:-1], Shard(self.dim))
         if self.tp is None:
             return dp
         split = 1
@@ -220,7 +227,7 @@ class ShardedParam:
         taken as is; any other placement or mesh: redistributed), a full tensor (this rank
         keeps its rows) or a tensor that already has this rank's shard shape."""
         world, rank = self.mesh.world_size, self.mesh.rank
-        want = local_shape(self.shape, world, rank)
+        want = local_shape(self.shape, world, rank, self.dim)
         full_shape = self.global_shape
         if isinstance(value, DTensor):
             if value.shape != full_shape:
@@ -242,7 +249,8 @@ class ShardedParam:
             )
         if value.shape == full_shape:
             part = self.tp.local_part(value) if self.tp is not None else value
-            return chunk_of(part, world, rank)
+            # a Shard(k) chunk is strided in the full tensor: give it the shard's own layout
+            return chunk_of(part, world, rank, self.dim).contiguous()
         if value.shape == want:
             return value
         raise FullshardError(

@@ -85,6 +85,7 @@ class StepSchedule:
         self.forwarded: set[CommUnit] = set()
         self.listeners: list[Listener] = []
         self.is_last_backward = True  # FSDPModule.set_is_last_backward
+        self.in_forward = False  # between the root's pre- and post-forward
 
     def _emit(self, point: Point, unit: CommUnit) -> None:
         for listener in self.listeners:
@@ -105,6 +106,7 @@ class StepSchedule:
             streams.gather_ready()  # NOTE [Streams and buffer lifetimes], rule 1
         self.prefetcher.begin_forward()
         self.forwarded.clear()
+        self.in_forward = True
 
     def pre_forward(self, unit: CommUnit) -> None:
         unit.wait_for_unshard("forward")
@@ -127,6 +129,7 @@ class StepSchedule:
 
     def end_forward(self, grad_enabled: bool) -> None:
         """Root post-forward: free what was prefetched but not used (a changed unit order)."""
+        self.in_forward = False
         self.root.streams.release_held()  # the last forward all-gather's buffers (rule 2)
         for unit in self.units:
             if unit.gathered and unit not in self.forwarded:
@@ -193,6 +196,27 @@ class StepSchedule:
         self._callback_task = None
         self.step += 1
         self.stats.step = self.step
+
+    def reset(self) -> None:
+        """Forget an iteration an exception cut short (``FSDPModule.reset_iter_state``): land
+        every collective in flight (each was issued on every rank, so waiting keeps them paired)
+        and drop its result, drop gradients not yet reduced, and reshard every unit."""
+        for unit in self.units:
+            flight, unit.reduce_in_flight = unit.reduce_in_flight, None
+            if flight is not None and flight.pending is not None:
+                flight.pending.wait()
+            for p in unit.trainable:
+                p.pop_grad()
+            unit.accumulated.clear()
+            unit.partial_reduce = None
+            unit.post_forward_shard = None
+            unit.reshard()  # waits for a gather in flight first
+        self._reducing.clear()
+        self.backward_started.clear()
+        self.backward_done.clear()
+        self.forwarded.clear()
+        self._callback_task = None
+        self.in_forward = False
 
     def _finish_all_reduces(self) -> None:
         while self._reducing:

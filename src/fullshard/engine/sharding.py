@@ -225,8 +225,8 @@ class UnitView:
 
     def names_of(self, sp: ShardedParam) -> list[str]:
         """Every name of one of the unit's parameters in the model (a tie has several)."""
-        base = self.module_names[sp.owner]
-        return [f"{base}.{f}" if base else f for f in sp.fqns]
+        bases = [self.module_names[o] for o in sp.owners]
+        return [f"{b}.{f}" if b else f for b, f in zip(bases, sp.fqns, strict=True)]
 
     @property
     def param_names(self) -> list[str]:

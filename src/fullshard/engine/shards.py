@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fullshard.dist.desync import write_static_tag
+from fullshard.dist.desync import UNREGISTERED, write_static_tag
 from fullshard.dist.mesh import MeshInfo
 from fullshard.engine.param import GatheredStorage, ShardedParam
 from fullshard.policies import FullshardError
@@ -51,7 +51,13 @@ class ShardGroup:
         # alignment only matters when groups share one buffer: in compute-dtype elements
         size = max(torch.empty((), dtype=compute_dtype).element_size(), 1)
         pad = GROUP_ALIGN_BYTES // size if align else 1
-        self.layout = FlatLayout([p.shape for p in params], mesh.world_size, tail=tail, pad_to=pad)
+        self.layout = FlatLayout(
+            [p.shape for p in params],
+            mesh.world_size,
+            tail=tail,
+            pad_to=pad,
+            dims=[p.dim for p in params],
+        )
         self.flat = torch.zeros(0, dtype=dtype)
         self.storage = GatheredStorage(0, compute_dtype, mesh.device)
         self.unit_name = ""
@@ -100,6 +106,8 @@ class ShardGroup:
                 p.set_sharded_data(self.layout.shard_view(flat, i, rank))
         self.flat = flat
         self.build_storage()
+        # a gather issued before the root's first forward (unshard()) carries a valid tag too
+        self.write_static_tag(UNREGISTERED)
 
     def detached(self, unit: object) -> bool:
         """Adopt parameters ``_apply`` replaced; whether the shards left the flat buffer."""
@@ -107,11 +115,7 @@ class ShardGroup:
         for p in self.params:
             p.sharded._fullshard_unit = unit  # type: ignore[attr-defined]
             if p.sharded.dtype != self.dtype:
-                raise FullshardError(
-                    f"sharded parameter '{p.fqn}' of unit '{self.unit_name}' changed dtype from "
-                    f"{self.dtype} to {p.sharded.dtype} after fully_shard; cast the model "
-                    "(model.to(dtype)) before calling fully_shard."
-                )
+                return True  # cast after fully_shard: the unit rebuilds its groups
         if any(p.sharded.is_meta for p in self.params):
             return False  # nothing to copy yet; the meta check at first forward explains
         if any(adopted):

@@ -26,24 +26,26 @@ from fullshard.engine.unit import CommUnit
 def install_state_dict_hooks(module: nn.Module, unit: CommUnit, owner: int = 0) -> None:
     """Make ``module.state_dict()``/``load_state_dict()`` speak sharded DTensors for ``unit``'s
     parameters that ``module`` holds (module ``owner`` of a list given to fully_shard)."""
-    mine = [p for p in unit.params if p.owner == owner]
+    # (parameter, its name under this module); a parameter tied between modules of the list
+    # has a name under each
+    mine = [
+        (p, fqn) for p in unit.params for o, fqn in zip(p.owners, p.fqns, strict=True) if o == owner
+    ]
 
     def save_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, meta: Any) -> None:
         unit.verdict.flush()  # a save reads the desync verdict first (NOTE [Reading the verdict])
-        for p in mine:
-            for fqn in p.fqns:
-                if prefix + fqn in sd:
-                    sd[prefix + fqn] = p.sharded.detach()  # the shard, even while gathered
+        for p, fqn in mine:
+            if prefix + fqn in sd:
+                sd[prefix + fqn] = p.sharded.detach()  # the shard, even while gathered
 
     def load_hook(mod: nn.Module, sd: dict[str, Any], prefix: str, *args: Any) -> None:
         unit.reshard()  # loading writes the shards; the modules must be showing them
         unit.refresh_shards()  # adopt parameters replaced since (to_empty, load with assign)
-        for p in mine:
-            for fqn in p.fqns:
-                key = prefix + fqn
-                if key in sd:
-                    local = p.shard_of(sd[key], key)
-                    sd[key] = as_dtensor(local.to(p.local.device, p.local.dtype), p.sharded)
+        for p, fqn in mine:
+            key = prefix + fqn
+            if key in sd:
+                local = p.shard_of(sd[key], key)
+                sd[key] = as_dtensor(local.to(p.local.device, p.local.dtype), p.sharded)
 
     module.register_state_dict_post_hook(save_hook)
     module.register_load_state_dict_pre_hook(load_hook)

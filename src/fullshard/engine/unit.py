@@ -144,7 +144,11 @@ class CommUnit(ReduceGrads):
         self.groups = self._make_groups(params, originals)
         self.trainable = [p for p in params if p.requires_grad]
         self.reduce_dtype = self._reduce_dtype()
-        self.grad_layout = FlatLayout([p.shape for p in self.trainable], mesh.world_size)
+        self.grad_layout = FlatLayout(
+            [p.shape for p in self.trainable],
+            mesh.world_size,
+            dims=[p.dim for p in self.trainable],
+        )
         # reduce-scatter tags are exact in the reduce dtype up to a group size (desync.py)
         self.reduce_tags = mesh.world_size > 1 and tags_exact(self.reduce_dtype, mesh.world_size)
         self.init_reduce_state()
@@ -268,17 +272,40 @@ class CommUnit(ReduceGrads):
             )
         group, rank = self.mesh.post_forward_group(size)
         comm = Comm(group, self.mesh.timeout, self.name, self.comm.stats)
-        layout = FlatLayout([p.shape for p in self.params], size, tail=TAG_LEN)
+        # the same shard dims: a Shard(k) size divisible by the group divides by ``size`` too
+        dims = [p.dim for p in self.params]
+        layout = FlatLayout([p.shape for p in self.params], size, tail=TAG_LEN, dims=dims)
         self.post_forward = PostForward(size, rank, comm, layout)
 
     # -- shards ---------------------------------------------------------------------------
     def refresh_shards(self) -> None:
         """Re-adopt shards that ``_apply`` (``to_empty``, ``.to()``) replaced or moved, and copy
-        them back into a flat buffer, so one collective can send the unit again."""
-        for g in self.groups:
-            if g.detached(self):
+        them back into a flat buffer, so one collective can send the unit again. A cast after
+        ``fully_shard`` (``model.to(torch.float64)``, ``model.double()``) rebuilds the unit's
+        dtype groups from the cast shards (NOTE [Mixed-dtype units])."""
+        detached = [g.detached(self) for g in self.groups]
+        if any(p.sharded.dtype != g.dtype for g in self.groups for p in g.params):
+            self._recast()
+            return
+        for g, moved in zip(self.groups, detached, strict=True):
+            if moved:
                 g.reattach()
                 g.write_static_tag(self.index)
+
+    def _recast(self) -> None:
+        if any(g.extension for g in self.groups):
+            raise FullshardError(
+                f"unit '{self.name}' has parameters gathered through all-gather extension hooks "
+                "(tensor subclasses, e.g. float8 weights); casting it after fully_shard is not "
+                "supported. Cast the model before calling fully_shard."
+            )
+        self.groups = self._make_groups(self.params, [p.local for p in self.params])
+        for g in self.groups:
+            g.reattach()  # copies each cast shard into the new group's flat buffer
+            g.write_static_tag(self.index)
+        self.reduce_dtype = self._reduce_dtype()
+        world = self.mesh.world_size
+        self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
 
     # -- unshard / wait / reshard ---------------------------------------------------------
     def unshard(self, why: str = "gather") -> None:
@@ -309,7 +336,7 @@ class CommUnit(ReduceGrads):
             else:
                 send = self._wire(pos)
                 numel = send.numel() * self.mesh.world_size
-            out = torch.empty(numel, dtype=send.dtype, device=send.device)
+            out = comm.gather_buffer(numel, send.dtype, send.device)
             pending = comm.all_gather(out, send, pos)  # type: ignore[arg-type]
         self.gather_in_flight = GatherInFlight(pending, out, send, pos, pf is not None)
 

@@ -25,6 +25,7 @@ it across replicas; the next all-reduce sends the total.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,6 +74,9 @@ class ReduceGrads:
         self.requires_all_reduce = True
         self.divide_factor: float | None = None  # set_gradient_divide_factor
         self.reduce_in_flight: ReduceInFlight | None = None
+        # FSDPModule.set_all_reduce_hook: called on the summed shard before it is divided
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: torch.cuda.Stream | None = None
         self.partial_reduce: torch.Tensor | None = None  # HSDP sum kept without all-reduce
         # NOTE [Accumulating without sync]: full gradients kept in the reduce dtype
         self.accumulated: dict[int, torch.Tensor] = {}
@@ -121,7 +125,7 @@ class ReduceGrads:
             if world == 1:
                 out = full.view(-1)  # HSDP with a one-rank shard group: only the all-reduce
             else:
-                out = torch.empty(full.shape[1], dtype=dtype, device=device)
+                out = self.comm.reduce_buffer(full.shape[1], dtype, device)
                 pending = self.comm.reduce_scatter(out, full, pos)  # type: ignore[arg-type]
         self.reduce_in_flight = ReduceInFlight(pending, out, full, present, pos)
 
@@ -161,12 +165,28 @@ class ReduceGrads:
                     # HYBRID / NO_SHARD: the shard's sum over the replicas, ordered after the
                     # reduce-scatter by the reduce stream (gloo: by the host wait above)
                     self.comm.all_reduce_replicas(shard).wait()
+            if shard is not None and self.all_reduce_hook is not None:
+                self._run_all_reduce_hook(shard)
             if shard is not None:
                 self._set_grads(shard, flight.present)
         if side:
             # rule 3: compute waits before the packed input (and the gradients) may be reused
             s.compute_waits(s.record(s.reduce))
         del flight
+
+    def _run_all_reduce_hook(self, shard: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: ``hook(reduce_output)`` on the unit's summed shard (after
+        the HSDP all-reduce, else after the reduce-scatter), before the division; e.g. torchft
+        all-reduces it across replica groups there. On its own stream when one was given."""
+        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
+        assert hook is not None
+        if stream is None or shard.device.type != "cuda":
+            hook(shard)
+            return
+        stream.wait_stream(torch.cuda.current_stream(shard.device))
+        with torch.cuda.stream(stream):
+            hook(shard)
+        torch.cuda.current_stream(shard.device).wait_stream(stream)
 
     def _set_grads(self, shard: torch.Tensor, present: list[bool]) -> None:
         factor = self.divide_factor or self.mesh.data_parallel_size
@@ -181,6 +201,9 @@ class ReduceGrads:
             if g.dtype != p.sharded.dtype:
                 g = g.to(p.sharded.dtype)
             p.add_grad(g)  # a DTensor gradient over these rows
+            # NOTE [Post-accumulate-grad hooks on sharded parameters]
+            for hook in _post_accumulate_hooks(p):
+                hook(p.sharded)
 
     def _check_reduce(self, flight: ReduceInFlight) -> None:
         if flight.position is None:
@@ -198,8 +221,12 @@ class ReduceGrads:
     def _to_host(self, shard: torch.Tensor) -> torch.Tensor:
         """Offload: the gradient shard goes to host memory; with pinned memory the copy is
         asynchronous and ``sync_offloaded_grads`` (end of backward) waits for it."""
-        if not self.pin_memory or any(p.sharded.grad is not None for p in self.trainable):
-            return shard.to("cpu")  # accumulating on the host needs the values now
+        if (
+            not self.pin_memory
+            or any(p.sharded.grad is not None for p in self.trainable)
+            or any(_post_accumulate_hooks(p) for p in self.trainable)
+        ):
+            return shard.to("cpu")  # accumulating on the host (or a hook) needs the values now
         host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
         host.copy_(shard, non_blocking=True)
         # recorded on the stream doing the copy (the reduce stream, or compute)
@@ -211,3 +238,14 @@ class ReduceGrads:
         if self._offload_event is not None:
             self._offload_event.synchronize()
             self._offload_event = None
+
+
+def _post_accumulate_hooks(p: ShardedParam) -> list[Callable[[torch.Tensor], None]]:
+    """NOTE [Post-accumulate-grad hooks on sharded parameters]
+    ``register_post_accumulate_grad_hook`` on a sharded parameter (the optimizer-in-backward
+    pattern: step each parameter as soon as its gradient exists) never fires by itself: autograd
+    accumulates into the gathered parameter, not the shard. As FSDP2 does, the unit calls those
+    hooks itself, once per parameter per reduction, right after the reduced (and, under HSDP,
+    all-reduced) shard became ``.grad``."""
+    hooks = getattr(p.sharded, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []

@@ -62,12 +62,15 @@ def model_units(
     shard_group: int,
     activations: dict[int, tuple[float, float, float, float]] | None = None,
     local_shapes: dict[str, torch.Size] | None = None,
+    shard_dims: dict[str, int] | None = None,
 ) -> list[UnitCost]:
     """The model's units with per-rank shard sizes (padding included) for ``shard_group`` ranks.
 
     ``activations`` maps a unit index (0 = the root) to what :func:`measure_activations`
     returns for it: ``(saved bytes, input bytes, tail bytes, loss bytes)``. ``local_shapes``:
     parameter name -> the shape one rank holds under tensor parallel (the others are whole).
+    ``shard_dims``: parameter name -> the dim ``shard_placement_fn`` shards it on (others: 0);
+    a Shard(k) parameter's shard is exactly ``numel / shard_group``, with no padding.
     """
     out = []
     for i, unit in enumerate(_units(model, unit_types)):
@@ -77,8 +80,11 @@ def model_units(
                   for n, p in zip(unit.params, params, strict=True)]  # fmt: skip
         trainable = [s for s, p in zip(shapes, params, strict=True) if p.requires_grad]
         # the engine's layout: each rank's shard ends in the all-gather's position tags
-        layout = FlatLayout(shapes, shard_group, tail=TAG_LEN if shard_group > 1 else 0)
-        grad_layout = FlatLayout(trainable, shard_group)
+        dims = [(shard_dims or {}).get(n, 0) for n in unit.params]
+        grads = [d for d, p in zip(dims, params, strict=True) if p.requires_grad]
+        tags = TAG_LEN if shard_group > 1 else 0
+        layout = FlatLayout(shapes, shard_group, tail=tags, dims=dims)
+        grad_layout = FlatLayout(trainable, shard_group, dims=grads)
         act, inp, tail, loss = (activations or {}).get(i, (0.0, 0.0, 0.0, 0.0))
         out.append(
             UnitCost(

@@ -1,7 +1,9 @@
 """Sharding arithmetic (layer 3): chunk, pad and offset math. Pure tensor code, no collectives.
 
-Every parameter is split along dim 0 into ``world`` chunks of ``ceil(dim0 / world)`` rows, exactly
-like ``torch.chunk`` and DTensor's ``Shard(0)``: the last ranks may hold fewer rows, or none.
+By default every parameter is split along dim 0 into ``world`` chunks of ``ceil(dim0 / world)``
+rows, exactly like ``torch.chunk`` and DTensor's ``Shard(0)``: the last ranks may hold fewer rows,
+or none. A parameter may instead be sharded on another dim ``k`` (FSDP2's ``shard_placement_fn``,
+DTensor's ``Shard(k)``); that dim's size must then be a multiple of ``world`` (even chunks only).
 
 NOTE [Flat unit layout]
 A unit keeps all of its rank's shards in ONE flat buffer so that one collective per phase carries
@@ -15,6 +17,17 @@ A gathered parameter must be *parameter-major* (its rows in order), so the gathe
 parameter ``i`` at ``world * offset_i`` as ``world * padded_i`` elements, i.e. its padded full
 tensor ``(world * chunk_rows_i, *rest)``, of which the first ``dim0`` rows are the parameter. Moving
 from one layout to the other is a single ``split_with_sizes_copy`` (gather) or ``cat`` (reduce).
+
+Shard(k), k > 0 (``Slot.dim``): a rank's region holds its chunk ``narrow(k, r * c, c)`` (``c =
+size_k / world``) *contiguous in the chunk's shape*, so the sharded DTensor's local tensor and its
+gradient are plain contiguous tensors, with no padding. Its gathered region is the full parameter,
+contiguous; rank r's chunk is then the strided box ``full.view(pre, world, c, post)[:, r]``
+(``pre``/``post``: the elements before/after dim k). Such slots come FIRST in the flat shard, before
+every dim-0 slot, so that the dim-0 slots, the gap and the tail stay one run of columns for the
+single ``split_with_sizes_copy`` (and the gradients of the dim-0 slots one ``_chunk_cat``); each
+Shard(k) slot is one more strided copy, from the rank-major output straight into its gathered
+region and from the box ``[:, r]`` of its full gradient straight into rank r's reduce-scatter
+columns: no scratch buffer, every element still copied once (docs/design.md measures the cost).
 """
 
 from __future__ import annotations
@@ -39,9 +52,19 @@ def local_rows(dim0: int, world: int, rank: int) -> int:
     return max(0, min(chunk, dim0 - rank * chunk))
 
 
-def local_shape(shape: Sequence[int], world: int, rank: int) -> torch.Size:
-    """Shape of rank ``rank``'s dim-0 shard of a tensor of ``shape``."""
-    return torch.Size([local_rows(shape[0], world, rank), *shape[1:]])
+def check_even(shape: Sequence[int], dim: int, world: int) -> None:
+    """Shard(dim) with dim > 0 needs equal chunks (``ValueError`` otherwise; the engine raises a
+    clearer error first)."""
+    if dim and shape[dim] % world:
+        raise ValueError(f"Shard({dim}) of shape {tuple(shape)} over {world} ranks is uneven")
+
+
+def local_shape(shape: Sequence[int], world: int, rank: int, dim: int = 0) -> torch.Size:
+    """Shape of rank ``rank``'s ``Shard(dim)`` shard of a tensor of ``shape``."""
+    if dim == 0:
+        return torch.Size([local_rows(shape[0], world, rank), *shape[1:]])
+    check_even(shape, dim, world)
+    return torch.Size([*shape[:dim], shape[dim] // world, *shape[dim + 1 :]])
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -53,8 +76,13 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def chunk_of(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s dim-0 rows of ``full`` (a view, possibly empty)."""
+def chunk_of(full: torch.Tensor, world: int, rank: int, dim: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s ``Shard(dim)`` chunk of ``full`` (a view, possibly empty; strided when
+    ``dim > 0``)."""
+    if dim:
+        check_even(full.shape, dim, world)
+        c = full.shape[dim] // world
+        return full.narrow(dim, rank * c, c)
     chunk = chunk_rows(full.shape[0], world)
     start = min(rank * chunk, full.shape[0])
     return full[start : start + local_rows(full.shape[0], world, rank)]
@@ -62,12 +90,16 @@ def chunk_of(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one parameter lives in a unit's flat layout (see NOTE [Flat unit layout])."""
+    """Where one parameter lives in a unit's flat layout (see NOTE [Flat unit layout]).
+
+    For ``dim > 0`` a "row" is one index along ``dim``: ``chunk_rows`` of them per rank, each of
+    ``row_numel`` elements."""
 
     shape: torch.Size
     chunk_rows: int
     row_numel: int
     offset: int
+    dim: int = 0
 
     @property
     def padded_numel(self) -> int:
@@ -78,10 +110,29 @@ class Slot:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def pre(self) -> int:
+        """Elements of the dims before ``dim`` (Shard(k) slots)."""
+        return math.prod(self.shape[: self.dim])
+
+    @property
+    def post(self) -> int:
+        """Elements of the dims after ``dim`` (Shard(k) slots)."""
+        return math.prod(self.shape[self.dim + 1 :])
+
+
+def _make_slot(shape: torch.Size, dim: int, world: int, offset: int) -> Slot:
+    if dim == 0:
+        return Slot(shape, chunk_rows(shape[0], world), math.prod(shape[1:]), offset)
+    check_even(shape, dim, world)
+    row_numel = math.prod(shape[:dim]) * math.prod(shape[dim + 1 :])
+    return Slot(shape, shape[dim] // world, row_numel, offset, dim)
+
 
 class FlatLayout:
     """The flat layout of a list of parameter shapes for one world size.
 
+    ``dims``: each parameter's shard dim (default all 0; NOTE [Flat unit layout] for the rest).
     ``tail`` extra elements end each rank's flat shard: room for the all-gather's position tags
     (NOTE [Collective positions]); they are not part of any parameter. ``pad_to`` rounds each
     rank's shard up to a multiple of that many elements (a gap before the tail), so that shards
@@ -89,23 +140,34 @@ class FlatLayout:
     """
 
     def __init__(
-        self, shapes: Sequence[torch.Size], world: int, tail: int = 0, pad_to: int = 1
+        self,
+        shapes: Sequence[torch.Size],
+        world: int,
+        tail: int = 0,
+        pad_to: int = 1,
+        dims: Sequence[int] | None = None,
     ) -> None:
         self.world = world
         self.tail = tail
-        slots = []
+        dims = list(dims) if dims is not None else [0] * len(shapes)
+        # Shard(k) slots first, then the dim-0 ones: the order of regions in the flat shard
+        self.order = [i for i, d in enumerate(dims) if d] + [i for i, d in enumerate(dims) if not d]
+        slots: list[Slot | None] = [None] * len(shapes)
         offset = 0
-        for shape in shapes:
-            row_numel = math.prod(shape[1:])
-            rows = chunk_rows(shape[0], world)
-            slots.append(Slot(torch.Size(shape), rows, row_numel, offset))
-            offset += rows * row_numel
-        self.slots: list[Slot] = slots
+        for i in self.order:
+            slot = _make_slot(torch.Size(shapes[i]), dims[i], world, offset)
+            slots[i] = slot
+            offset += slot.padded_numel
+        self.slots: list[Slot] = slots  # type: ignore[assignment]  # every one is set
+        self.strided = [s for s in self.slots if s.dim]
+        self.lead = sum(s.padded_numel for s in self.strided)  # columns of the Shard(k) slots
         self.gap = -(offset + tail) % pad_to
         self.shard_numel = (
             offset + self.gap + tail
         )  # S: one rank's shard, padding and tail included
-        self.split_sizes = [s.padded_numel for s in slots] + [n for n in (self.gap, tail) if n]
+        self.split_sizes = [self.slots[i].padded_numel for i in self.order if not dims[i]] + [
+            n for n in (self.gap, tail) if n
+        ]
 
     @property
     def total_numel(self) -> int:
@@ -113,23 +175,28 @@ class FlatLayout:
         return self.world * self.shard_numel
 
     def shard_view(self, flat_shard: torch.Tensor, i: int, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s real rows of parameter ``i`` as a view into its flat shard."""
+        """Rank ``rank``'s real rows of parameter ``i`` as a (contiguous) view into its flat
+        shard."""
         slot = self.slots[i]
-        shape = local_shape(slot.shape, self.world, rank)
+        shape = local_shape(slot.shape, self.world, rank, slot.dim)
         return flat_shard[slot.offset : slot.offset + math.prod(shape)].view(shape)
 
     def gathered_view(self, flat_gathered: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter ``i`` (full shape) as a view into the parameter-major gathered storage."""
+        """Parameter ``i`` (full shape, contiguous) as a view into the parameter-major gathered
+        storage."""
         slot = self.slots[i]
         start = self.world * slot.offset
         padded = flat_gathered[start : start + self.world * slot.padded_numel]
+        if slot.dim:
+            return padded.view(slot.shape)
         return padded.view(self.world * slot.chunk_rows, *slot.shape[1:])[: slot.shape[0]]
 
     def pack_shard(self, tensors: Sequence[torch.Tensor], rank: int, out: torch.Tensor) -> None:
         """Copy rank ``rank``'s rows of each full tensor into ``out`` (zeroing the padding)."""
         out.zero_()
         for i, full in enumerate(tensors):
-            self.shard_view(out, i, rank).copy_(chunk_of(full, self.world, rank))
+            chunk = chunk_of(full, self.world, rank, self.slots[i].dim)
+            self.shard_view(out, i, rank).copy_(chunk)
 
     def copy_out(
         self,
@@ -138,21 +205,31 @@ class FlatLayout:
         tails: torch.Tensor | None = None,
         dest: FlatLayout | None = None,
     ) -> None:
-        """Rank-major all-gather output -> parameter-major gathered storage, in one kernel.
+        """Rank-major all-gather output -> parameter-major gathered storage: one kernel for the
+        dim-0 slots, the gap and the tail, one strided copy per Shard(k) slot.
 
         Each rank's tail lands in row r of ``tails`` (``(world, tail)``; a scratch buffer when
         not given). ``dest``: the layout of ``flat_gathered`` when it differs from this one (a
         unit gathered over a smaller group after forward, NOTE [Resharding to a smaller group]):
         parameter ``i``'s padded rows then fill the front of its region there, which is at least
-        as large because the group size divides ``dest``'s.
+        as large because the group size divides ``dest``'s (a Shard(k) region is exactly the
+        parameter in both).
         """
         w, d = self.world, dest or self
-        outs = [
-            flat_gathered[d.world * ds.offset : d.world * ds.offset + w * s.padded_numel].view(
-                w, s.padded_numel
-            )
-            for s, ds in zip(self.slots, d.slots, strict=True)
-        ]
+        # a (world, S) view is taken as it is: a dtype group's columns of a shared buffer
+        rows = gathered if gathered.dim() == 2 else gathered.view(w, self.shard_numel)
+        outs = []
+        for s, ds in zip(self.slots, d.slots, strict=True):
+            start = d.world * ds.offset
+            if s.dim:  # NOTE [Flat unit layout]: rank r's chunk is the box [:, r] of the full
+                full = flat_gathered[start : start + s.numel].view(s.pre, w, s.chunk_rows, s.post)
+                src = rows[:, s.offset : s.offset + s.padded_numel]
+                full.permute(1, 0, 2, 3).copy_(src.view(w, s.pre, s.chunk_rows, s.post))
+        for i in self.order:
+            s, ds = self.slots[i], d.slots[i]
+            if not s.dim:
+                start = d.world * ds.offset
+                outs.append(flat_gathered[start : start + w * s.padded_numel].view(w, -1))
         dtype, device = gathered.dtype, gathered.device
         if self.gap:
             outs.append(torch.empty(w, self.gap, dtype=dtype, device=device))  # scratch
@@ -160,9 +237,9 @@ class FlatLayout:
             if tails is None:
                 tails = torch.empty(w, self.tail, dtype=dtype, device=device)
             outs.append(tails)
-        # a (world, S) view is taken as it is: a dtype group's columns of a shared buffer
-        rows = gathered if gathered.dim() == 2 else gathered.view(w, self.shard_numel)
-        torch.split_with_sizes_copy(rows, self.split_sizes, 1, out=outs)
+        if outs:
+            rest = rows[:, self.lead :] if self.lead else rows
+            torch.split_with_sizes_copy(rest, self.split_sizes, 1, out=outs)
 
     def pack_for_reduce(
         self,
@@ -175,27 +252,43 @@ class FlatLayout:
         """Full gradients -> rank-major reduce-scatter input of shape ``(world, S [+ extra])``.
 
         A missing gradient is sent as zeros. ``extra`` (shape ``(world, k)``) is appended to every
-        rank's block; the reduce-scatter then sums it like the gradients. Padding, the cast to
-        ``dtype`` and the rank-major interleave are one kernel (``torch._chunk_cat``, as FSDP2's
-        copy-in) where torch has it.
+        rank's block; the reduce-scatter then sums it like the gradients. For the dim-0 slots,
+        padding, the cast to ``dtype`` and the rank-major interleave are one kernel
+        (``torch._chunk_cat``, as FSDP2's copy-in) where torch has it; each Shard(k) gradient is
+        one strided copy (and cast) into its columns (NOTE [Flat unit layout]).
         """
         w = self.world
-        # one input dtype (the gradients'); the kernel casts to ``dtype`` on the way out
-        present = {g.dtype for g in grads if g is not None}
-        src = present.pop() if len(present) == 1 else dtype
-        parts = [
-            torch.zeros(slot.shape, dtype=src, device=device) if g is None else g.to(src)
-            for slot, g in zip(self.slots, grads, strict=True)
-        ]
-        if extra is not None:
-            parts.append(extra.to(src))
         width = self.shard_numel + (extra.shape[1] if extra is not None else 0)
         out = torch.empty(w, width, dtype=dtype, device=device)
+        for s, g in zip(self.slots, grads, strict=True):
+            if s.dim:
+                region = out[:, s.offset : s.offset + s.padded_numel]
+                if g is None:
+                    region.zero_()
+                else:  # rank r's chunk is the box [:, r] of the full gradient
+                    src = g.reshape(s.pre, w, s.chunk_rows, s.post).transpose(0, 1)
+                    region.view(w, s.pre, s.chunk_rows, s.post).copy_(src)
+        zero = [i for i in self.order if not self.slots[i].dim]
+        if not zero and extra is None:
+            return out
+        rest = out[:, self.lead :] if self.lead else out  # a column slice: strided, fine
+        # one input dtype (the gradients'); the kernel casts to ``dtype`` on the way out
+        present = {grads[i].dtype for i in zero if grads[i] is not None}  # type: ignore[union-attr]
+        src_dtype = present.pop() if len(present) == 1 else dtype
+        parts = [
+            torch.zeros(self.slots[i].shape, dtype=src_dtype, device=device)
+            if grads[i] is None
+            else grads[i].to(src_dtype)  # type: ignore[union-attr]
+            for i in zero
+        ]
+        if extra is not None:
+            parts.append(extra.to(src_dtype))
         if _chunk_cat is not None:
-            _chunk_cat(parts, dim=0, num_chunks=w, out=out)
+            _chunk_cat(parts, dim=0, num_chunks=w, out=rest)
             return out
         cols = []  # torch < 2.4: pad, cast and cat by hand
-        for slot, part in zip(self.slots, parts, strict=False):
+        for i, part in zip(zero, parts, strict=False):
+            slot = self.slots[i]
             g = part.reshape(slot.shape[0], slot.row_numel).to(dtype)
             rows = w * slot.chunk_rows
             if rows != slot.shape[0]:
@@ -203,5 +296,8 @@ class FlatLayout:
             cols.append(g.view(w, slot.padded_numel))
         if extra is not None:
             cols.append(extra.to(dtype))
-        torch.cat(cols, dim=1, out=out)
+        if self.lead:
+            rest.copy_(torch.cat(cols, dim=1))
+        else:
+            torch.cat(cols, dim=1, out=out)
         return out
