@@ -6,7 +6,6 @@ Mirrors ``torch.distributed.fsdp.fully_shard`` (FSDP2) so that swapping the impo
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -21,11 +20,12 @@ from fullshard.engine.collect import (
     check_params,
     check_tensor_parallel,
     collect,
+    original_uid,
     param_device,
 )
 from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, signature
 from fullshard.engine.cpu_rng import install_cpu_shard_rng
-from fullshard.engine.hooks import FSDPState, original_uid, outside_compile
+from fullshard.engine.hooks import FSDPState, outside_compile
 from fullshard.engine.local_step import LOCAL_STEPS
 from fullshard.engine.param import ShardedParam, local_of
 from fullshard.engine.placement import ShardPlacementFn, shard_dims
@@ -393,7 +393,6 @@ def fully_shard(
         sp.expose(unsharded=False)
     # an int reshards after forward too, to the smaller group (CommUnit.set_post_forward_group)
     state = FSDPState(modules, unit, True if unit.post_forward is not None else _bool_or_none(raf))
-    state.originals = {id(f.param): (f.fqns[0], weakref.ref(f.param)) for f in found}
     state.original_uids = {original_uid(f.param): f.fqns[0] for f in found}
     OPTIMIZER_GUARD.track([(f.fqns[0], f.param) for f in found])
     LOCAL_STEPS.install()  # NOTE [Local optimizer steps]

@@ -7,6 +7,7 @@ under several names (tied inside the unit) is managed once, with all its names.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -83,6 +84,20 @@ def collect(
     for i, module in enumerate(modules):
         visit(module, "", i)
     return list(found.values()), children
+
+
+_UIDS = itertools.count()
+
+
+def original_uid(param: torch.Tensor) -> int:
+    """A number that names one original parameter for good (stamped on it at first sight, as
+    FSDP2 does): ties between units are found by it, not by ``id()``, since an original is gone
+    once both units hold shards and an ``id`` may be reused after GC."""
+    uid = getattr(param, "_fullshard_uid", None)
+    if uid is None:
+        uid = next(_UIDS)
+        param._fullshard_uid = uid  # type: ignore[attr-defined]
+    return uid  # type: ignore[no-any-return]
 
 
 def check_tensor_parallel(
@@ -191,11 +206,11 @@ def check_params(
                 "outer ones, and on each module once."
             )
         for child in children:
-            other = child.originals.get(id(p))
-            if other is not None and other[1]() is p:
+            other = child.original_uids.get(original_uid(p))
+            if other is not None:
                 path = child_path.get(id(child.module), type(child.module).__name__)
                 raise FullshardError(
-                    f"parameter '{fqn}' of {unit_name} is tied to '{path}.{other[0]}' of the "
+                    f"parameter '{fqn}' of {unit_name} is tied to '{path}.{other}' of the "
                     f"nested unit '{path}'; tied parameters must live in one unit. Do not call "
                     f"fully_shard on '{path}' on its own (its parent's unit will hold both), or "
                     "untie the weights."

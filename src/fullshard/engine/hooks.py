@@ -42,7 +42,6 @@ would be reduced before they exist (measured: the toy's loss off by 1e-2 at the 
 
 from __future__ import annotations
 
-import itertools
 import sys
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -104,9 +103,8 @@ class FSDPState:
         # weak references to this step's input nodes (NOTE [Post-backward events])
         self._input_nodes: list[weakref.ref[Node]] = []
         self._events: tuple[int, list[int]] | None = None  # (graph task, [seen, expected])
-        # id -> (fqn, weakref) of the original parameters, to catch ties across units
-        self.originals: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
-        self.original_uids: dict[int, str] = {}  # original_uid(parameter) -> fqn
+        # original_uid(parameter) -> fqn of the original parameters, to catch ties across units
+        self.original_uids: dict[int, str] = {}
         # FSDPModule.set_modules_to_{forward,backward}_prefetch: prefetcher attribute -> units
         self.explicit_prefetch: dict[str, list[CommUnit]] = {}
         self._handles = []
@@ -321,25 +319,11 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-_UIDS = itertools.count()
-
-
-def original_uid(param: torch.Tensor) -> int:
-    """A number that names one original parameter for good (stamped on it at first sight)."""
-    uid = getattr(param, "_fullshard_uid", None)
-    if uid is None:
-        uid = next(_UIDS)
-        param._fullshard_uid = uid  # type: ignore[attr-defined]
-    return uid  # type: ignore[no-any-return]
-
-
 def _check_ties_across_units(states: list[FSDPState]) -> None:
     """A parameter tied between two sibling units would be sharded twice and silently untied
     by the first optimizer step; refuse it on every rank (FSDP2 raises a ValueError too)."""
     owner: dict[int, tuple[FSDPState, str]] = {}
     for st in states:
-        # by a number stamped on each original parameter, not id(): the original is gone once
-        # both units hold shards, and an id may be reused after GC
         for pid, fqn in st.original_uids.items():
             name = f"{st.unit.name}.{fqn}" if st.unit.name != "root" else fqn
             if pid in owner:
