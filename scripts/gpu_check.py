@@ -12,10 +12,22 @@ One command, a few minutes on one GPU:  ``python scripts/gpu_check.py``. Prints 
    model, bf16, CPU offload and a sharded checkpoint save/load, in spawned ranks: NCCL with one
    GPU per rank (world size = visible GPUs), then 2 and 4 ranks all on ``cuda:0`` over gloo
    (gloo moves CUDA tensors; NCCL refuses two ranks on one GPU). See ``gpu_check_ranks.py``.
+3. ``nccl1.bf16_offload``, ``gloo2.bf16_offload``: bf16 parameters and reduce with CPU offload
+   (pinned): every step's gradient shards against a bf16 reference and against the same run
+   without offload (bitwise at the first step).
+4. ``csan.nccl1``, ``csan.gloo4``: two steps of every strategy (and of bf16 with offload) in the
+   group's ranks under torch's CUDA sanitizer (``TORCH_CUDA_SANITIZER=1``), in a subprocess:
+   a PASS needs exit status 0 and no "CSAN" report.
+5. ``fake8.steps``, ``fake8.no_host_sync``: rank 3 of 8 on torch's fake process group with the
+   model on CUDA, every strategy: the engine's streams and stream-ordered collectives are used,
+   and a quiet step synchronises the host nowhere (torch's GPU trace, sync debug mode).
+   See ``gpu_checks_cuda.py`` for 3-5.
 
 ``--cpu`` runs the same checks on gloo/CPU (``gloo1``, ``gloo2``, ``gloo4``), so the script
 itself is tested where no GPU exists; ``--quick`` or ``--only PATTERNS`` pick a subset and
-``--list`` prints the names. The ranks and the CLI run from this checkout: ``src`` is put on
+``--list`` prints the names. On CPU, 3 and 4 run their CPU forms (4 without the sanitizer,
+which needs CUDA), ``fake8.steps`` runs its steps and ``fake8.no_host_sync`` prints a ``SKIP``
+line (not counted). The ranks and the CLI run from this checkout: ``src`` is put on
 ``PYTHONPATH`` for every child, so no install is needed.
 """
 
@@ -44,12 +56,16 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )  # for every child: spawned ranks, the CLI and its torchrun ranks
 
 import gpu_check_ranks as ranks  # noqa: E402
+import gpu_checks_cuda as cuda_checks  # noqa: E402
 import torch  # noqa: E402
 
 QUICK = ("cli.train", "cli.resume", "cli.convert", "*2.parity.full_shard", "*2.checkpoint")
 CLI_TIMEOUT_S = 300.0  # one CLI command (torchrun and its ranks included)
 GROUP_TIMEOUT_S = 360.0  # one spawned group, all its checks
 COLLECTIVE_TIMEOUT_S = 120.0  # any one wait inside a group (a dead peer fails, never hangs)
+CSAN_TIMEOUT_S = 240.0  # one sanitizer subprocess (its group's spawn included)
+FAKE_TIMEOUT_S = 180.0  # the fake-group subprocess
+FAKE_WORLD = 8
 Check = Callable[["Cli"], tuple[bool, str]]
 
 
@@ -64,25 +80,8 @@ class Cli:
         self._base: subprocess.CompletedProcess[str] | None = None
 
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "fullshard.app.cli", *args]
-        limit = min(CLI_TIMEOUT_S, max(1.0, self.deadline - time.monotonic()))
-        # its own session: on timeout the CLI, its torchrun and the ranks end together
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            out, err = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            return subprocess.CompletedProcess(
-                cmd, 124, out, err + f"\ntimed out after {limit:.0f} s"
-            )
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        return run_bounded(cmd, min(CLI_TIMEOUT_S, self.deadline - time.monotonic()))
 
     def train(self, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
         """A short tiny-model run on one rank, on this device."""
@@ -100,6 +99,30 @@ class Cli:
                 "base", "--max-steps", "6", "--save-every", "2", "--stop-after", "4", "--keep", "5"
             )
         return self._base
+
+
+def run_bounded(
+    cmd: list[str], limit: float, drop: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (a child of this checkout, one thread per rank, gloo on loopback) for at most
+    ``limit`` seconds: on timeout it and everything it started are killed (exit status 124).
+    ``drop``: environment variables the child must not inherit."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", *drop)}
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    limit = max(1.0, limit)
+    # its own session: on timeout the child, its torchrun or spawn and the ranks end together
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(cmd, 124, out, err + f"\ntimed out after {limit:.0f} s")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _failed(proc: subprocess.CompletedProcess[str]) -> str:
@@ -266,24 +289,46 @@ def groups(cpu: bool) -> list[tuple[str, str, int]]:
     return [("nccl", "cuda", torch.cuda.device_count()), ("gloo", "cuda", 2), ("gloo", "cuda", 4)]
 
 
+def bf16_groups(cpu: bool) -> list[tuple[str, str, int]]:
+    """The groups of ``<group>.bf16_offload``: NCCL (gloo1 on CPU) and 2 ranks sharing one device."""
+    return groups(cpu)[:2]
+
+
+def csan_groups(cpu: bool) -> list[tuple[str, str, int]]:
+    """The groups run under the sanitizer: NCCL (gloo1 on CPU), and gloo4 for the hybrids."""
+    return [groups(cpu)[0], groups(cpu)[2]]
+
+
 def all_names(cpu: bool) -> list[str]:
     names = list(CLI_CHECKS)
     for backend, _, world in groups(cpu):
         names += [f"{backend}{world}.{c}" for c in ranks.check_names(world)]
+    names += [f"{b}{w}.{cuda_checks.BF16_OFFLOAD}" for b, _, w in bf16_groups(cpu)]
+    names += [f"csan.{b}{w}" for b, _, w in csan_groups(cpu)]
+    names += [f"fake{FAKE_WORLD}.{c}" for c in cuda_checks.FAKE_CHECKS]
     return names
 
 
 def run_group(
-    backend: str, device_type: str, world: int, checks: list[str], work: Path, deadline: float
+    backend: str,
+    device_type: str,
+    world: int,
+    checks: list[str],
+    work: Path,
+    deadline: float,
+    *,
+    target: Callable[..., None] = ranks.run_group_rank,
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
 ) -> list[tuple[str, bool, str, float]]:
-    """Spawn the group's ranks, wait (bounded), merge their verdicts (all ranks must pass)."""
+    """Spawn the group's ranks, wait (bounded), merge their verdicts (all ranks must pass).
+    ``target``: the ranks' function (``gpu_check_ranks``'s, or ``gpu_checks_cuda.run_rank``)."""
     prefix = f"{backend}{world}."
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=work))
     outs = [str(folder / f"rank{r}.json") for r in range(world)]
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(
-            target=ranks.run_group_rank,
+            target=target,
             args=(
                 r,
                 world,
@@ -292,7 +337,7 @@ def run_group(
                 str(folder / "store"),
                 outs[r],
                 checks,
-                COLLECTIVE_TIMEOUT_S,
+                collective_timeout_s,
             ),  # fmt: skip
         )
         for r in range(world)
@@ -333,14 +378,20 @@ def merge(
 
 
 class Report:
-    """The PASS/FAIL lines, printed as they come, and the time budget they share."""
+    """The PASS/FAIL (and SKIP) lines, printed as they come, and the time budget they share."""
 
     def __init__(self, budget_s: float) -> None:
         self.budget_s = budget_s
         self.deadline = time.monotonic() + budget_s
         self.results: list[tuple[str, bool]] = []
+        self.skipped: list[str] = []
 
-    def add(self, name: str, ok: bool, info: str, seconds: float) -> None:
+    def add(self, name: str, ok: bool | None, info: str, seconds: float) -> None:
+        """One verdict; ``ok`` None is a SKIP (a check that needs CUDA, on CPU): not counted."""
+        if ok is None:
+            self.skipped.append(name)
+            print(f"SKIP  {name}: {info}", flush=True)
+            return
         self.results.append((name, ok))
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {info} ({seconds:.1f} s)", flush=True)
 
@@ -369,10 +420,81 @@ def run_checks(chosen: list[str], cpu: bool, report: Report) -> None:
         for backend, device_type, world in groups(cpu):
             prefix = f"{backend}{world}."
             checks = [n[len(prefix) :] for n in chosen if n.startswith(prefix)]
+            checks = [c for c in checks if c != cuda_checks.BF16_OFFLOAD]  # below, its own spawn
             if checks and not report.spent([prefix + c for c in checks]):
                 group = run_group(backend, device_type, world, checks, Path(tmp), report.deadline)
                 for result in group:
                     report.add(*result)
+        run_cuda_checks(chosen, cpu, report, Path(tmp))
+
+
+def run_cuda_checks(chosen: list[str], cpu: bool, report: Report, work: Path) -> None:
+    """``<group>.bf16_offload`` (spawned ranks), ``csan.<group>`` and ``fake8.*`` (a subprocess
+    each): see ``gpu_checks_cuda.py``."""
+    device_type = "cpu" if cpu else "cuda"
+    for backend, dev, world in bf16_groups(cpu):
+        name = f"{backend}{world}.{cuda_checks.BF16_OFFLOAD}"
+        if name in chosen and not report.spent([name]):
+            for result in run_group(
+                backend, dev, world, [cuda_checks.BF16_OFFLOAD], work, report.deadline,
+                target=cuda_checks.run_rank,
+            ):  # fmt: skip
+                report.add(*result)
+    for backend, dev, world in csan_groups(cpu):
+        name = f"csan.{backend}{world}"
+        if name in chosen and not report.spent([name]):
+            t0 = time.perf_counter()
+            ok, info = run_csan(backend, dev, world, work, report.deadline)
+            report.add(name, ok, info, time.perf_counter() - t0)
+    fake = [n for n in chosen if n.startswith(f"fake{FAKE_WORLD}.")]
+    if fake and not report.spent(fake):
+        t0 = time.perf_counter()
+        for fake_name, verdict, fake_info in run_fake(device_type, work, report.deadline):
+            if fake_name in fake:
+                report.add(fake_name, verdict, fake_info, time.perf_counter() - t0)
+
+
+def _child(what: str, *args: str) -> list[str]:
+    return [sys.executable, str(HERE / "gpu_checks_cuda.py"), what, *args]
+
+
+NO_SANITIZER = ("TORCH_CUDA_SANITIZER",)  # the csan child sets it for its ranks alone
+
+
+def run_csan(
+    backend: str, device_type: str, world: int, work: Path, deadline: float
+) -> tuple[bool, str]:
+    """One step per strategy in the group's ranks under ``TORCH_CUDA_SANITIZER=1``, in a
+    subprocess bounded by ``CSAN_TIMEOUT_S`` (the group inside it 30 s less)."""
+    out = work / f"csan.{backend}{world}.json"
+    limit = min(CSAN_TIMEOUT_S, deadline - time.monotonic())
+    proc = run_bounded(
+        _child(
+            "csan", "--backend", backend, "--device", device_type, "--world", str(world),
+            "--out", str(out), "--work", str(work), "--timeout", str(max(10.0, limit - 30)),
+        ),
+        limit,
+        NO_SANITIZER,
+    )  # fmt: skip
+    results = json.loads(out.read_text()) if out.is_file() else []
+    return cuda_checks.csan_verdict(
+        proc.returncode, proc.stdout + proc.stderr, results, sanitized=device_type == "cuda"
+    )
+
+
+def run_fake(device_type: str, work: Path, deadline: float) -> list[tuple[str, bool | None, str]]:
+    """``fake8.*`` from one subprocess; both FAIL (with its output's tail) if it gave none."""
+    out = work / f"fake{FAKE_WORLD}.json"
+    limit = min(FAKE_TIMEOUT_S, deadline - time.monotonic())
+    proc = run_bounded(
+        _child("fake", "--device", device_type, "--world", str(FAKE_WORLD), "--out", str(out)),
+        limit,
+        NO_SANITIZER,
+    )
+    names = [f"fake{FAKE_WORLD}.{c}" for c in cuda_checks.FAKE_CHECKS]
+    if not out.is_file():
+        return [(n, False, _failed(proc)) for n in names]
+    return [(name, ok, info) for name, ok, info, _ in json.loads(out.read_text())]
 
 
 def main() -> int:
@@ -412,6 +534,7 @@ def main() -> int:
         f"{len(report.results) - len(failed)} of {len(report.results)} checks passed in "
         f"{time.perf_counter() - started:.0f} s"
         + (f"; failed: {', '.join(failed)}" if failed else "")
+        + (f"; skipped (need CUDA): {', '.join(report.skipped)}" if report.skipped else "")
     )
     return 0 if report.results and not failed else 1
 

@@ -224,8 +224,10 @@ def run_group_rank(
     out_path: str,
     names: list[str],
     timeout_s: float,
+    lookup: Callable[[str], Callable[..., tuple[bool, str]]] | None = None,
 ) -> None:
-    """One rank of a group (the target of the driver's spawn): run ``names``, write verdicts."""
+    """One rank of a group (the target of the driver's spawn): run ``names``, write verdicts.
+    ``lookup``: the check of a name (default: this module's; ``gpu_checks_cuda`` passes its)."""
     os.environ["FULLSHARD_TIMEOUT_S"] = str(timeout_s)  # bounds every fullshard wait
     os.environ["GPU_CHECK_WORK_DIR"] = os.path.dirname(store_path)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -253,7 +255,7 @@ def run_group_rank(
         for name in names:
             t0 = time.perf_counter()
             try:
-                ok, info = _check(name)(rank, world, device)
+                ok, info = (lookup or _check)(name)(rank, world, device)
             except Exception:
                 ok, failed = False, True
                 last = traceback.format_exc().strip().splitlines()[-1]  # "Type: message"

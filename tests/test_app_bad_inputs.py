@@ -113,6 +113,34 @@ TRAIN = [
     (["--strategy", "hybrid_shard", "--nproc", "4", "--shard-size", "3"], "(got 3)"),
     (["--nproc", "4", "--tp", "3"], "--tp 3 does not divide the 4 ranks"),
     (["--nproc", "3", "--tp", "3", "--batch-size", "9", "--model", "hf:llama-tiny"], "--tp 3: "),
+    (
+        ["--nproc", "4", "--reshard-after-forward", "3"],
+        "--reshard-after-forward 3 does not divide the shard group of 4 ranks (full_shard on 4 "
+        "ranks): N must divide it; use one of 1, 2, 4 (1 is false, 4 is true), or true / false",
+    ),
+    (
+        ["--nproc", "8", "--strategy", "hybrid_shard", "--reshard-after-forward", "8"],
+        "does not divide the shard group of 4 ranks (hybrid_shard on 8 ranks)",
+    ),
+    (
+        ["--strategy", "no_shard", "--reshard-after-forward", "2"],
+        "shard group of 1 rank (no_shard on 2 ranks): N must divide it; use one of 1 (1 is false)",
+    ),
+    (
+        ["--nproc", "8", "--tp", "2", "--reshard-after-forward", "3"],
+        "of 4 ranks (full_shard on 8 ranks / --tp 2)",
+    ),
+    (
+        ["--nproc", "8", "--tp", "2", "--reshard-after-forward", "2"],
+        "--reshard-after-forward 2 with --tp: tensor-parallel parameters cannot reshard to a "
+        "smaller group (nor in torch FSDP2): use --reshard-after-forward true or false, or drop "
+        "--tp",
+    ),
+    (
+        ["--reshard-after-forward", "maybe"],
+        "--reshard-after-forward 'maybe' is neither true, false nor a number of ranks: give true",
+    ),
+    (["--reshard-after-forward", "0"], "--reshard-after-forward '0' is neither true, false"),
     # devices and outputs
     (["--backend", "nccl", "--device", "cpu"], "--backend nccl moves CUDA tensors only"),
     pytest.param(["--device", "cuda"], "--device cuda: no CUDA device", marks=NO_CUDA),
@@ -251,6 +279,34 @@ def test_defaults_pass(workdir: Path) -> None:
         "full_shard", "shard_grad_op", "no_shard", "fsdp2", "ddp", "single",
     ]  # fmt: skip
     validate_plan_check(_parse("plan", "--check", "--devices", "2", "--model", "tiny"))
+
+
+@pytest.mark.parametrize(
+    ("world", "extra"),
+    [
+        (2, {"cpu_offload": True}),
+        (2, {"reshard_after_forward": "false"}),
+        (2, {"reshard_after_forward": "TRUE", "strategy": "shard_grad_op"}),
+        (4, {"reshard_after_forward": "2", "cpu_offload": True, "mixed_precision": "bf16"}),
+        (2, {"reshard_after_forward": "1", "strategy": "no_shard", "cpu_offload": True}),
+        (8, {"reshard_after_forward": "2", "strategy": "hybrid_shard", "shard_size": 4}),
+        (4, {"reshard_after_forward": "2", "tp": 2, "cpu_offload": True}),  # 2 = the group: true
+    ],
+)
+def test_sharding_options_pass(workdir: Path, world: int, extra: dict) -> None:
+    validate_train(TrainConfig(**extra), world)
+
+
+def test_float8_cannot_reshard_to_a_smaller_group(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fullshard.app.wrap as wrap
+
+    monkeypatch.setattr(wrap, "float8_missing", lambda: "")  # as if torchao were installed
+    cfg = TrainConfig(float8=True, reshard_after_forward="2")
+    with pytest.raises(ValueError, match="--reshard-after-forward 2 with --float8: float8 weights"):
+        validate_train(cfg, 4)
+    validate_train(TrainConfig(float8=True, reshard_after_forward="4", cpu_offload=True), 4)
 
 
 def test_resume_latest_passes_with_a_committed_checkpoint(workdir: Path) -> None:

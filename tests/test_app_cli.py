@@ -45,16 +45,24 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records(run_dir)]
 
 
+# shard_grad_op + accumulation, with CPU offload and shard_grad_op's own reshard rule given
+ZERO2_OFFLOAD = [
+    "--no-progress", "--strategy", "shard_grad_op", "--grad-accum", "2", "--cpu-offload",
+    "--reshard-after-forward", "1",
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Three runs shared by the tests: a, its exact repeat, and shard_grad_op + accumulation."""
+    """Three runs shared by the tests: a, its exact repeat, and shard_grad_op + accumulation
+    (with CPU offload and an explicit --reshard-after-forward 1, its own rule: the same math)."""
     root = tmp_path_factory.mktemp("runs")
     cfg = root / "run.toml"
     cfg.write_text('model = "demo"\nmax_steps = 1000\nprogress = false\n')
     variants = {
         "a": ["--config", str(cfg)],  # the file says demo/1000 steps, BASE's flags must win
         "a_again": [],  # the progress bar on, but stdout and stderr are pipes: no bar lines
-        "b": ["--no-progress", "--strategy", "shard_grad_op", "--grad-accum", "2"],
+        "b": ZERO2_OFFLOAD,
     }
     for name, extra in variants.items():
         proc = run_train([*BASE, *extra, "--runs-dir", str(root), "--name", name])
@@ -104,6 +112,10 @@ def test_shard_grad_op_with_accumulation_matches_full_shard(runs: Path) -> None:
     a, b = losses(runs / "a"), losses(runs / "b")
     assert b == pytest.approx(a, rel=2e-3)
     assert json.loads((runs / "b" / "summary.json").read_text())["strategy"] == "shard_grad_op"
+    resolved = load_toml(str(runs / "b" / "config.toml"))  # the ranks got both options
+    assert (resolved["cpu_offload"], resolved["reshard_after_forward"]) == (True, "1")
+    stdout = (runs / "b" / "stdout.txt").read_text()
+    assert "--reshard-after-forward 1 for the blocks, CPU offload" in stdout
 
 
 @pytest.mark.parametrize(

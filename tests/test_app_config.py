@@ -15,6 +15,8 @@ from fullshard.app.config import (
     TrainConfig,
     config_from_args,
     load_toml,
+    reshard_after_forward_arg,
+    to_flags,
     to_toml,
     validate,
 )
@@ -64,6 +66,7 @@ def test_resolved_toml_round_trips(tmp_path: Path) -> None:
         ("progress = 1", "'progress' .* must be bool"),
         ('strategy = "zero3"', "must be one of full_shard, shard_grad_op"),
         ('backend = "mpi"', "'backend' .* must be one of auto, nccl, gloo"),
+        ("reshard_after_forward = 1.5", "'reshard_after_forward' .* must be str"),
         ("model = ", "not valid TOML"),
     ],
 )
@@ -129,3 +132,35 @@ def load_toml_text(text: str, tmp_path: Path) -> dict:
 def test_float8_without_torchao_names_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"pip install torchao .*fullshard\[float8\]"):
         validate(TrainConfig(float8=True), 2)
+
+
+def test_sharding_options_from_flags_toml_and_back(tmp_path: Path) -> None:
+    cfg = resolve(["--cpu-offload", "--reshard-after-forward", "2"])
+    assert (cfg.cpu_offload, cfg.reshard_after_forward) == (True, "2")
+    assert {"--cpu-offload", "--reshard-after-forward=2"} <= set(to_flags(cfg))
+    assert resolve(to_flags(cfg)) == cfg  # what the launched ranks parse
+    assert load_toml_text(to_toml(cfg), tmp_path)["reshard_after_forward"] == "2"
+    # TOML's own booleans and integers read as the flag's words
+    path = tmp_path / "run.toml"
+    for toml, word in (("false", "false"), ("true", "true"), ("4", "4"), ('"TRUE"', "TRUE")):
+        path.write_text(f"cpu_offload = true\nreshard_after_forward = {toml}\n")
+        cfg = resolve(["--config", str(path)])
+        assert (cfg.cpu_offload, cfg.reshard_after_forward) == (True, word)
+    unset = TrainConfig()
+    assert (unset.cpu_offload, unset.reshard_after_forward) == (False, None)
+    assert "# reshard_after_forward = (unset)" in to_toml(unset)
+
+
+@pytest.mark.parametrize(
+    ("word", "value"),
+    [(None, None), ("true", True), ("False", False), (" 1 ", 1), ("8", 8)],
+)
+def test_reshard_after_forward_words(word: str | None, value: bool | int | None) -> None:
+    got = reshard_after_forward_arg(word)
+    assert got == value and type(got) is type(value)  # 1 stays an int: fully_shard reads it
+
+
+@pytest.mark.parametrize("word", ["maybe", "0", "-2", "2.5", "", "yes", "\u00b2"])
+def test_reshard_after_forward_bad_words(word: str) -> None:
+    with pytest.raises(ConfigError, match="is neither true, false nor a number of ranks"):
+        reshard_after_forward_arg(word)

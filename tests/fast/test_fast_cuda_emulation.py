@@ -142,8 +142,11 @@ def test_error_names_op_tensor_and_both_streams() -> None:
 
 
 # -- the caching allocator ----------------------------------------------------------------------
-@pytest.mark.parametrize("cover", [None, "record_stream", "wait"])
+@pytest.mark.parametrize("cover", [None, "record_stream", "wait", "wait_after_free"])
 def test_resize_to_zero_of_buffer_used_on_another_stream(cover: str | None) -> None:
+    """The freed block goes back to compute's pool at once: compute's next allocation may get
+    it while the side stream still reads it, unless compute waited for that read first (before
+    the free, or at least before that allocation) or ``record_stream`` covers it."""
     with cuda_emulation() as emu:
         side = VirtualStream("reduce")
         x = name_tensor(as_device(torch.ones(8)), "packed grads")  # allocated on compute
@@ -154,11 +157,13 @@ def test_resize_to_zero_of_buffer_used_on_another_stream(cover: str | None) -> N
             x.record_stream(side)
         elif cover == "wait":
             emu.compute.wait_stream(side)
+        x.untyped_storage().resize_(0)  # the free itself is fine...
+        if cover == "wait_after_free":
+            emu.compute.wait_stream(side)
         if cover is None:
             with pytest.raises(StreamOrderError, match="'packed grads'.*allocated on stream "):
-                x.untyped_storage().resize_(0)
+                x.untyped_storage().resize_(8 * 4)  # ...the next allocation on compute is not
         else:
-            x.untyped_storage().resize_(0)
             x.untyped_storage().resize_(8 * 4)  # re-allocated, on compute: no history
             x.fill_(0.0)
 
@@ -168,9 +173,10 @@ def test_resize_to_zero_after_use_on_the_allocating_stream_only() -> None:
         x = as_device(torch.ones(8))
         x.mul_(2)
         x.untyped_storage().resize_(0)
+        x.untyped_storage().resize_(8 * 4)
 
 
-def test_deleting_the_last_tensor_is_a_free_reported_at_the_next_op() -> None:
+def test_deleting_the_last_tensor_is_a_free_checked_at_the_next_allocation() -> None:
     with cuda_emulation() as emu:
         gather = VirtualStream("gather")
         with gather:
@@ -179,16 +185,20 @@ def test_deleting_the_last_tensor_is_a_free_reported_at_the_next_op() -> None:
         emu.compute.wait_stream(gather)
         (out * 2).sum()  # compute reads it
         del out  # gather never waited for that read
-        with pytest.raises(StreamOrderError, match="freed.*last tensor was deleted"):
-            torch.ones(1) + 1
-    # or at the end of the emulation
-    with pytest.raises(StreamOrderError, match="freed"), cuda_emulation() as emu:
+        torch.ones(1) + 1  # an allocation elsewhere cannot get the block
+        with gather, pytest.raises(StreamOrderError, match="freed.*last tensor was deleted"):
+            as_device(torch.empty(4))
+    # a wait between the free and the next allocation orders the read before the reuse
+    with cuda_emulation() as emu:
         gather = VirtualStream("gather")
         with gather:
             out = as_device(torch.zeros(4))
         emu.compute.wait_stream(gather)
         out.sum()
         del out
+        gather.wait_stream(emu.compute)
+        with gather:
+            as_device(torch.empty(4)).fill_(2.0)
 
 
 # -- pinned memory and the host -----------------------------------------------------------------
@@ -360,8 +370,10 @@ def test_collective_input_from_compute_is_freed_only_after_compute_waits(case: s
             work = emulated_collective([out], [packed], name="reduce_scatter_tensor")
         if case == "dropped_before_wait":
             del packed  # not freed yet: the handle holds it...
-            with reduce, pytest.raises(StreamOrderError, match="'packed grads'.*reduce_scatter"):
-                work.wait()  # ...until here
+            with reduce:
+                work.wait()  # ...until here, and compute never waited for the collective
+            with pytest.raises(StreamOrderError, match="'packed grads'.*reduce_scatter"):
+                as_device(torch.empty(4))  # compute's next allocation may get its block
             return
         with reduce:
             work.wait()
@@ -370,10 +382,10 @@ def test_collective_input_from_compute_is_freed_only_after_compute_waits(case: s
             emu.compute.wait_stream(reduce)
         del packed
         if case == "no_compute_wait":
-            with pytest.raises(StreamOrderError, match="allocated on stream 'compute', is freed"):
-                out.sum()  # the free is reported at the next op
+            with pytest.raises(StreamOrderError, match="allocated on stream 'compute', was freed"):
+                as_device(torch.empty(4))  # compute's next allocation may get its block
         else:
-            out.sum()
+            as_device(torch.empty(4))
 
 
 def test_collective_wraps_a_real_gloo_work() -> None:
@@ -434,8 +446,8 @@ def test_fsdp_gather_pattern(case: str) -> None:
             gather.wait_event(compute.record_event())  # rule 2
         del out, work
         if case == "early_release":
-            with pytest.raises(StreamOrderError, match="output.*allocated on stream 'gather'"):
-                param * 2
+            with gather, pytest.raises(StreamOrderError, match="output.*allocated on stream 'g"):
+                as_device(torch.empty(8))  # the next all-gather's output may get the block
             return
         assert (param * 2).sum().item() == 2 * 2 * 6.0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from recorder import GATHER, StepRecorder, gathers, index_of, toy_steps, window
-from toy import ToyLM, batches, loss_of, shard_toy
+from toy import Block, ToyLM, batches, loss_of, shard_toy
 
 import fullshard
 
@@ -97,3 +97,33 @@ def test_forward_without_grad_frees_everything(fake_pg: tuple, reshard_blocks: b
     assert events[-1].gathered == frozenset()
     assert not any(e.kind == "reduce_scatter" for e in events)
     assert not any(v.unit.gathered for v in fullshard.units(model))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "raf", "kept"),
+    [
+        ("full_shard", None, False),
+        ("full_shard", False, True),
+        ("shard_grad_op", None, True),
+        ("shard_grad_op", True, False),
+        ("full_shard", 2, False),
+    ],
+)
+def test_the_trainers_reshard_option_replaces_the_strategys(
+    fake_pg: tuple, strategy: str, raf: bool | int | None, kept: bool
+) -> None:
+    # fullshard train's --reshard-after-forward and --cpu-offload (fullshard.app.wrap): a value
+    # given replaces the strategy's for the blocks; the root keeps the plan's rule (kept for
+    # backward); N < the 4 ranks keeps the blocks sharded over N between forward and backward
+    from fullshard.app.wrap import shard_model
+
+    model = ToyLM(n_blocks=N_BLOCKS)
+    shard_model(model, strategy, [Block], reshard_after_forward=raf, cpu_offload=True)
+    for events in toy_steps(model, 2):
+        end_of_forward = events[index_of(events, "FORWARD_END", "root")]
+        assert end_of_forward.gathered == ({"root", *BLOCKS} if kept else {"root"})
+    views = fullshard.units(model)
+    assert [v.name for v in views] == ["", *BLOCKS]
+    assert all(v.unit.offload for v in views)
+    sizes = [v.unit.post_forward.size if v.unit.post_forward else None for v in views]
+    assert sizes == [None] + [raf if raf == 2 else None] * N_BLOCKS

@@ -33,6 +33,7 @@ __all__ = [
     "check_model_spec",
     "config_from_args",
     "load_toml",
+    "reshard_after_forward_arg",
     "to_flags",
     "to_toml",
     "validate",
@@ -143,6 +144,23 @@ class TrainConfig:
         "train the blocks' linear layers in float8 and all-gather their weights as float8 "
         "(torchao's Float8Linear with enable_fsdp_float8_all_gather; needs torchao, "
         "pip install 'fullshard[float8]', and a GPU with float8 matmuls, e.g. H100)",
+        group="sharding",
+    )
+    cpu_offload: bool = _opt(
+        False,
+        "keep the parameter shards, gradients and optimizer state on the host "
+        "(fullshard.CPUOffloadPolicy): units are copied to the device to be gathered and "
+        "the optimizer steps on the CPU; less device memory, host-device copies every step "
+        "(on CPU ranks everything is on the host already)",
+        group="sharding",
+    )
+    reshard_after_forward: str | None = _opt(
+        None,
+        "what the blocks do with their gathered parameters after forward: true (free them), "
+        "false (keep them for backward) or N (keep them sharded over N consecutive ranks, so "
+        "backward gathers within that smaller group, e.g. a node; N divides the shard group, "
+        "1 is false and the group size is true). Default: the --strategy's (true for "
+        "full_shard and hybrid_shard, false for the others); a value given overrides it",
         group="sharding",
     )
     # evaluation and output
@@ -299,6 +317,8 @@ def _check_values(values: dict[str, Any], source: str) -> dict[str, Any]:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"unknown option {key!r} in {source}{hint}")
         tp = _base_type(types[key])
+        if key == "reshard_after_forward" and isinstance(value, (bool, int)):
+            value = str(value).lower()  # TOML's true / 2 read as the flag's words
         if tp is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
@@ -354,6 +374,25 @@ def to_toml(cfg: TrainConfig) -> str:
             # JSON string escapes are valid TOML basic-string escapes.
             lines.append(f"{f.name} = {json.dumps(value)}")
     return "\n".join(lines) + "\n"
+
+
+def reshard_after_forward_arg(value: str | None) -> bool | int | None:
+    """``--reshard-after-forward`` as ``fully_shard`` takes it: ``None`` (unset: the strategy's
+    default), ``True``/``False``, or a number of ranks. Raises :class:`ConfigError` for any
+    other word; whether a number fits the shard group is ``validate_train``'s check."""
+    if value is None:
+        return None
+    word = value.strip().lower()
+    if word in ("true", "false"):
+        return word == "true"
+    if word.isascii() and word.isdigit() and int(word) >= 1:
+        return int(word)
+    raise ConfigError(
+        f"--reshard-after-forward {value!r} is neither true, false nor a number of ranks: give "
+        "true (free the blocks' gathered parameters after forward), false (keep them for "
+        "backward) or N >= 1 (keep them sharded over N ranks), or drop it for the --strategy's "
+        "default"
+    )
 
 
 def hybrid_shard_size(cfg: TrainConfig, world_size: int) -> int:

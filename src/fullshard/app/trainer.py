@@ -22,7 +22,13 @@ from torch import nn
 
 from fullshard import ShardedGradScaler
 from fullshard.app.checkpointing import TrainCheckpoints
-from fullshard.app.config import ConfigError, TrainConfig, to_toml, validate
+from fullshard.app.config import (
+    ConfigError,
+    TrainConfig,
+    reshard_after_forward_arg,
+    to_toml,
+    validate,
+)
 from fullshard.app.data import (
     RankBatches,
     build_tokenizer,
@@ -132,6 +138,14 @@ def log_line(step: int, total: int, loss: float, tok_s: float, mem: str) -> str:
     return f"step {step}/{total}: loss {loss:.4f} | {tok_s:,.0f} tok/s | mem {mem}"
 
 
+def _sharding_options(cfg: TrainConfig) -> str:
+    """The run line's words for --reshard-after-forward and --cpu-offload ('' when unset)."""
+    words = ""
+    if cfg.reshard_after_forward is not None:
+        words += f", --reshard-after-forward {cfg.reshard_after_forward} for the blocks"
+    return words + (", CPU offload" if cfg.cpu_offload else "")
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run one training job on this rank; returns the run summary (on every rank)."""
     validate(cfg, world_size_from_env(cfg.nproc))
@@ -176,6 +190,8 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
         tp=cfg.tp,
         activation_checkpointing=cfg.activation_checkpointing,
         float8=cfg.float8,
+        reshard_after_forward=reshard_after_forward_arg(cfg.reshard_after_forward),
+        cpu_offload=cfg.cpu_offload,
     )
     opt = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)
@@ -215,6 +231,7 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
             f"fullshard train: {cfg.model} ({n_params / 1e6:.2f}M params), {world} ranks "
             f"({info.backend}), {plan.summary()}"
             + (f", tensor parallel over {cfg.tp} ranks" if cfg.tp > 1 else "")
+            + _sharding_options(cfg)
             + f", {len(tokens):,} tokens "
             f"({len(train_tokens):,} train per rank), micro-batch {micro} x {cfg.seq_len}, "
             f"grad-accum {cfg.grad_accum} -> run folder {run_dir}",

@@ -22,7 +22,14 @@ import math
 import os
 from pathlib import Path
 
-from fullshard.app.config import ConfigError, TrainConfig, check_model_spec, validate
+from fullshard.app.config import (
+    ConfigError,
+    TrainConfig,
+    check_model_spec,
+    hybrid_shard_size,
+    reshard_after_forward_arg,
+    validate,
+)
 from fullshard.policies import FullshardError
 
 __all__ = [
@@ -116,6 +123,7 @@ def _writable_folder(path: str | Path, flag: str) -> None:
 def validate_train(cfg: TrainConfig, world_size: int) -> None:
     """Every check of ``fullshard train`` (``world_size``: the ranks the run will have)."""
     validate(cfg, world_size)  # flags and their combinations; the model; devices
+    _check_reshard_after_forward(cfg, world_size)
     _model_and_length(cfg.model, cfg.seq_len, "--seq-len")
     run_dir = Path(cfg.runs_dir) / cfg.name if cfg.name else Path(cfg.runs_dir)
     _writable_folder(run_dir, "--runs-dir/--name" if cfg.name else "--runs-dir")
@@ -126,6 +134,44 @@ def validate_train(cfg: TrainConfig, world_size: int) -> None:
     _check_hf_weights(cfg.model)
     if cfg.tp > 1:
         _check_tensor_parallel(cfg)
+
+
+def _check_reshard_after_forward(cfg: TrainConfig, world_size: int) -> None:
+    """``--reshard-after-forward`` is true, false or a number of ranks the blocks' shard group
+    can be split into, and (a number other than 1 or the group size: resharding to a smaller
+    group) not combined with what cannot reshard that way. The ranks' ``fully_shard`` applies
+    the same rules (``fullshard.engine.api``); here they come before launch, in flag words."""
+    value = reshard_after_forward_arg(cfg.reshard_after_forward)
+    if value is None or isinstance(value, bool):
+        return
+    # the ranks one parameter is split over (``ShardingPlan.shard_size``): 1 for no_shard, the
+    # hybrid group, else every data-parallel rank
+    if cfg.strategy == "no_shard":
+        group = 1
+    elif cfg.strategy.startswith("hybrid"):
+        group = hybrid_shard_size(cfg, world_size)
+    else:
+        group = world_size // cfg.tp
+    if group % value:
+        sizes = ", ".join(str(d) for d in range(1, group + 1) if group % d == 0)
+        what = f"{world_size} ranks" + (f" / --tp {cfg.tp}" if cfg.tp > 1 else "")
+        ends = f" (1 is false, {group} is true)" if group > 1 else " (1 is false)"
+        raise ConfigError(
+            f"--reshard-after-forward {value} does not divide the shard group of {group} "
+            f"rank{'s' if group > 1 else ''} ({cfg.strategy} on {what}): N must divide it; "
+            f"use one of {sizes}{ends}, or true / false"
+        )
+    if value in (1, group):
+        return
+    for flag, on, why in (
+        ("--tp", cfg.tp > 1, "tensor-parallel parameters cannot"),
+        ("--float8", cfg.float8, "float8 weights (gathered through all-gather hooks) cannot"),
+    ):
+        if on:
+            raise ConfigError(
+                f"--reshard-after-forward {value} with {flag}: {why} reshard to a smaller group "
+                f"(nor in torch FSDP2): use --reshard-after-forward true or false, or drop {flag}"
+            )
 
 
 def _check_resume(cfg: TrainConfig) -> None:

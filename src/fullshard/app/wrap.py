@@ -13,9 +13,21 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from fullshard import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_
-from fullshard.engine.parallelize import apply_plan, mesh_device_type
+from fullshard import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    clip_grad_norm_,
+    fully_shard,
+)
+from fullshard.engine.parallelize import (
+    _checkpoint_forward,
+    apply_plan,
+    mesh_device_type,
+    plan_mesh,
+)
 from fullshard.engine.sharding import ShardingPlan, plan_sharding
 from fullshard.policies import FullshardError
 
@@ -41,6 +53,8 @@ def shard_model(
     activation_checkpointing: bool = False,
     tp: int = 1,
     float8: bool = False,
+    reshard_after_forward: bool | int | None = None,
+    cpu_offload: bool = False,
 ) -> ShardingPlan:
     """Shard ``model``: every submodule of a type in ``unit_types`` becomes one unit, then the root.
 
@@ -48,9 +62,11 @@ def shard_model(
     ``shard_size`` ranks (0: :func:`~fullshard.engine.sharding.hybrid_shard_size`) and replicate
     across the groups. ``tp`` > 1: tensor parallel over that many consecutive ranks inside each
     block first (``fullshard.app.tensor_parallel``), the strategy over the rest. ``float8``:
-    :func:`convert_float8` first. A model built with ``lazy_weights`` is materialised and
-    loaded after sharding (:func:`fullshard.app.hf.load_pending`). Returns the plan that was
-    applied.
+    :func:`convert_float8` first. ``reshard_after_forward`` (``--reshard-after-forward``): what
+    the blocks do after forward, ``fully_shard``'s argument (``None``: the strategy's).
+    ``cpu_offload``: shard with :class:`~fullshard.CPUOffloadPolicy`. A model built with
+    ``lazy_weights`` is materialised and loaded after sharding
+    (:func:`fullshard.app.hf.load_pending`). Returns the plan that was applied.
     """
     dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     # Gradients are reduced in float32 even when computing in bf16/fp16: summing N ranks' low
@@ -74,15 +90,51 @@ def shard_model(
 
         mesh, tp_mesh = meshes(plan, tp, mesh_device_type(model))
         apply_tensor_parallel(model, plan.unit_modules(model), tp_mesh)
+    offload = CPUOffloadPolicy() if cpu_offload else None
+    if reshard_after_forward is not None:
+        mesh = plan_mesh(plan, mesh, model)
+        _shard_blocks(
+            model, plan, mesh, reshard_after_forward, mp, offload, activation_checkpointing
+        )
     # the engine puts the units where the model is (a GPU shared over gloo included), or on
     # the GPU when the backend moves only CUDA tensors
     apply_plan(
-        model, plan, mesh=mesh, mp_policy=mp, activation_checkpointing=activation_checkpointing
+        model,
+        plan,
+        mesh=mesh,
+        mp_policy=mp,
+        activation_checkpointing=activation_checkpointing,
+        offload_policy=offload,
     )
     from fullshard.app.hf import load_pending
 
     load_pending(model)  # a lazily built checkpoint: each rank reads its own rows now
     return plan
+
+
+def _shard_blocks(
+    model: nn.Module,
+    plan: ShardingPlan,
+    mesh: DeviceMesh | None,
+    reshard_after_forward: bool | int,
+    mp: MixedPrecisionPolicy,
+    offload: CPUOffloadPolicy | None,
+    activation_checkpointing: bool,
+) -> None:
+    """``fully_shard`` the plan's blocks, innermost first, with ``reshard_after_forward`` in
+    place of the strategy's, as ``apply_plan`` would; ``apply_plan`` then wraps only the root
+    (it skips modules that are units already), which keeps the plan's root rule: backward
+    needs the root first. (``apply_plan`` takes no ``reshard_after_forward`` of its own.)"""
+    for module in reversed(plan.unit_modules(model)):
+        if activation_checkpointing:
+            _checkpoint_forward(module)
+        fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp,
+            offload_policy=offload,
+        )
 
 
 def float8_missing() -> str:

@@ -35,6 +35,7 @@ from fullshard.dist.desync import (
     timed_wait,
 )
 from fullshard.dist.device import check_tensor
+from fullshard.testing import emulation
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.4 has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -111,8 +112,13 @@ class CommStats:
 
 
 def _host_wait(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
-    """NOTE [Waiting without blocking the host]: only NCCL on CUDA tensors orders by stream."""
-    return not (tensor.is_cuda and "nccl" in str(dist.get_backend(group)))
+    """NOTE [Waiting without blocking the host]: only NCCL on CUDA tensors orders by stream
+    (and, under the CUDA emulation, every collective: NOTE [The CUDA path on CPU])."""
+    if emulation.is_active():
+        return False
+    # torch's fake group on CUDA takes NCCL's path too (scripts/gpu_check.py runs it at world 8)
+    backend = str(dist.get_backend(group))
+    return not (tensor.is_cuda and ("nccl" in backend or backend == "fake"))
 
 
 class Pending:
@@ -194,7 +200,12 @@ def _issue(
     timeout: timedelta,
     group: dist.ProcessGroup | None,
     position: Position | None,
+    reads: list[torch.Tensor] | None = None,
+    writes: list[torch.Tensor] | None = None,
 ) -> Pending:
+    """Issue ``work_fn()``'s collective, which reads ``reads`` and writes ``writes`` (default:
+    ``tensor``, in place); under the CUDA emulation it is modelled as NCCL's, on the current
+    stream (``emulated_collective``)."""
     check_tensor(tensor, group, what)  # NOTE [Device discipline]
     if stats is not None:
         stats.record(kind, unit, nbytes)
@@ -214,6 +225,9 @@ def _issue(
             )
         except RuntimeError:  # gloo: "Work::getFuture not implemented" for these collectives
             stats.open_comm.append((work, kind, unit, t0, nbytes))
+    if emulation.is_active():
+        ins, outs = reads if reads is not None else [tensor], writes if writes is not None else [tensor]
+        work = emulation.emulated_collective(outs, ins, name=what, work=work)  # type: ignore[assignment]
     return Pending(work, what, timeout, stats, unit, position, group, _host_wait(tensor, group))
 
 
@@ -240,6 +254,8 @@ def all_gather(
         timeout=timeout,
         group=group,
         position=position,
+        reads=[shard],
+        writes=[out],
     )
 
 
@@ -282,6 +298,8 @@ def reduce_scatter(
             timeout=timeout,
             group=group,
             position=position,
+            reads=[full],
+            writes=[recv],
         )
 
         def local_sum() -> None:
@@ -304,6 +322,8 @@ def reduce_scatter(
         timeout=timeout,
         group=group,
         position=position,
+        reads=[full],
+        writes=[out],
     )
 
 
@@ -396,8 +416,9 @@ class Comm:
         work_fn = lambda: custom(out, send, self.group, async_op=True)  # noqa: E731
         nbytes = out.numel() * out.element_size()
         return _issue(
-            "all_gather", work_fn, out, nbytes, group=self.group, position=pos, **self._bound(what)
-        )
+            "all_gather", work_fn, out, nbytes, group=self.group, position=pos,
+            reads=[send], writes=[out], **self._bound(what),
+        )  # fmt: skip
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, pos: Position) -> Pending:
         what = f"reduce-scatter of unit '{self.unit}'"
@@ -409,7 +430,7 @@ class Comm:
         nbytes = full.numel() * full.element_size()
         return _issue(
             "reduce_scatter", work_fn, full, nbytes, group=self.group, position=pos,
-            **self._bound(what),
+            reads=[full], writes=[out], **self._bound(what),
         )  # fmt: skip
 
     def _bound(self, what: str) -> dict[str, Any]:

@@ -51,10 +51,12 @@ import os
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fullshard.dist.device import cuda_semantics, new_event
 from fullshard.policies import FullshardError
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -121,10 +123,17 @@ def _tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     return pairs.to(device, dtype), bits.to(device, dtype)
 
 
-def write_static_tag(tail: torch.Tensor, index: int) -> None:
-    """The parts of an all-gather tag that never change: magic and unit index (at build time)."""
+@functools.lru_cache(maxsize=1024)
+def _static_tag(device: torch.device, dtype: torch.dtype, index: int) -> torch.Tensor:
     values = [TAG_MAGIC, index >> 8 & 0xFF, index & 0xFF]
-    tail[:3].copy_(torch.tensor(values, dtype=tail.dtype))
+    return torch.tensor(values, dtype=dtype).to(device)  # once per unit: a host copy
+
+
+def write_static_tag(tail: torch.Tensor, index: int) -> None:
+    """The parts of an all-gather tag that never change: magic and unit index. One kernel from
+    a device copy made once per unit, never a host copy per call (a post-forward reshard writes
+    it every forward: NOTE [Resharding to a smaller group])."""
+    tail[:3].copy_(_static_tag(tail.device, tail.dtype, index))
 
 
 def write_dynamic_tag(tail: torch.Tensor, pos: Position) -> None:
@@ -194,13 +203,16 @@ class _Item:
     params: list[str] = field(default_factory=list)
 
 
+MAX_PENDING_VERDICTS = 8  # closed verdicts left unread before poll() blocks (memory: tiny)
+
+
 class Verdict:
     """The tag checks of one root's collectives (NOTE [Reading the verdict])."""
 
     def __init__(self, defer_cpu: bool = False) -> None:
         self.names: dict[int, str] = {}  # unit index -> name, to decode other ranks' tags
         self._items: list[_Item] = []
-        self._pending: list[tuple[torch.cuda.Event | None, torch.Tensor, list[_Item]]] = []
+        self._pending: list[tuple[Any, torch.Tensor, list[_Item]]] = []  # (event | None, ...)
         self.defer_cpu = defer_cpu  # tests: CPU tensors take the GPU's deferred path
 
     # -- adding checks ----------------------------------------------------------------------
@@ -235,7 +247,8 @@ class Verdict:
     def _add(self, item: _Item) -> None:
         if not moves_data(item.group):
             return  # NOTE [Backends that move no data]: nothing came from another rank
-        if item.tensor.device.type == "cpu" and not self.defer_cpu:
+        deferred = self.defer_cpu or cuda_semantics(item.tensor.device)
+        if not deferred:
             self._raise_if_bad(item, late=False)  # free to read: check before use
             return
         if item.tensor._base is not None:
@@ -272,10 +285,10 @@ class Verdict:
             ordered += members
         flag = torch.cat(flags)
         event = None
-        if flag.is_cuda:
+        if cuda_semantics(flag.device):
             host = torch.empty(flag.shape, dtype=torch.bool, pin_memory=True)
             host.copy_(flag, non_blocking=True)
-            event = torch.cuda.Event()
+            event = new_event()
             event.record()
         else:
             host = flag
@@ -283,11 +296,14 @@ class Verdict:
 
     def poll(self, block: bool = False) -> None:
         """Read every closed verdict whose copy has landed (all of them with ``block``); raise
-        ``DesyncError`` for the first bad collective. At most one closed verdict is left."""
+        ``DesyncError`` for the first bad collective. Reading one that has not landed blocks
+        the host, so that happens only with ``block`` or past ``MAX_PENDING_VERDICTS`` (a
+        device more than that many backwards behind the host): gradient accumulation closes
+        a verdict per backward and must not synchronise at each forward."""
         while self._pending:
             event, host, items = self._pending[0]
-            if event is not None:
-                if not (block or len(self._pending) > 1 or event.query()):
+            if event is not None and not event.query():
+                if not (block or len(self._pending) > MAX_PENDING_VERDICTS):
                     return
                 event.synchronize()
             self._pending.pop(0)

@@ -19,12 +19,27 @@ Outside ``fullshard.dist`` no code calls a ``torch.distributed`` collective dire
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from fullshard.policies import FullshardError
+from fullshard.testing import emulation
 
-__all__ = ["accepted_devices", "check_device", "check_tensor", "comm_device", "cuda_usable"]
+__all__ = [
+    "accepted_devices",
+    "check_device",
+    "check_tensor",
+    "comm_device",
+    "cuda_semantics",
+    "cuda_usable",
+    "current_stream",
+    "new_event",
+    "new_stream",
+    "use_stream",
+]
 
 
 def _backend(group: dist.ProcessGroup | None) -> str:
@@ -102,3 +117,47 @@ def cuda_usable(index: int) -> str:
             "exclusive mode: free it, or pick another with CUDA_VISIBLE_DEVICES"
         )
     return ""
+
+
+# -- the CUDA code path, on a GPU or under the CUDA emulation -------------------------------------
+# NOTE [The CUDA path on CPU]
+# Code written for CUDA streams (the engine's gather and reduce streams, the deferred desync
+# verdicts, pinned offload copies, stream-ordered collective waits) runs on a GPU, or on CPU
+# tensors under ``fullshard.testing.cuda_emulation()``, where virtual streams and events check
+# CUDA's ordering rules and count host synchronisations (issue 17). Every such branch asks
+# ``cuda_semantics(device)`` and takes its streams and events from the helpers below, so one
+# code path is both what runs on the GPU and what the emulation checks on CPU.
+
+
+def cuda_semantics(device: torch.device) -> bool:
+    """Whether code on ``device`` follows CUDA's stream semantics: a CUDA device, or any device
+    while the CUDA emulation is active."""
+    return device.type == "cuda" or emulation.is_active()
+
+
+def new_stream(device: torch.device, name: str) -> Any:
+    """A side stream (high priority, as FSDP2's) on ``device``; a virtual one under emulation."""
+    if emulation.is_active():
+        return emulation.VirtualStream(name)
+    return torch.cuda.Stream(device, priority=-1)
+
+
+def current_stream(device: torch.device) -> Any:
+    """The stream current on ``device`` (compute, unless a ``use_stream`` block changed it)."""
+    if emulation.is_active():
+        return emulation.current_stream()
+    return torch.cuda.current_stream(device)
+
+
+def use_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.stream(stream)``: make ``stream`` current in a ``with`` block."""
+    if emulation.is_active():
+        return emulation.stream(stream)
+    return torch.cuda.stream(stream)
+
+
+def new_event() -> Any:
+    """An unrecorded event (``torch.cuda.Event``, or a virtual one under emulation)."""
+    if emulation.is_active():
+        return emulation.VirtualEvent()
+    return torch.cuda.Event()

@@ -183,8 +183,18 @@ class StepSchedule:
                 self.post_backward(unit)
         if self.is_last_backward:  # else the next backward or forward finishes them
             self._finish_all_reduces()
+        offloaded = False
         for unit in self.units:
-            unit.sync_offloaded_grads()
+            unit.end_reduces()  # CUDA: compute waits for the reductions queued on streams
+            offloaded = unit.take_offload_event() or offloaded
+        if offloaded:
+            # The CPU optimizer reads the offloaded gradients: the host waits once per backward
+            # for every copy (compute has waited for each reduction, so one event covers all;
+            # FSDP2 synchronises one event per parameter here).
+            event = self.root.streams.record_compute()
+            assert event is not None
+            event.synchronize()
+        for unit in self.units:
             unit.post_forward_shard = None  # kept for a backward that has now passed
             if unit.reshard_after_backward and unit.gathered:
                 unit.reshard()  # kept for a backward that never reached it

@@ -1,4 +1,5 @@
-"""CUDA streams and events for one root's collectives (layer 6). On CPU every call is a no-op.
+"""CUDA streams and events for one root's collectives (layer 6). On CPU every call is a no-op,
+except under the CUDA emulation (NOTE [The CUDA path on CPU] in ``dist/device.py``).
 
 NOTE [Streams and buffer lifetimes]
 Compute runs on the current stream. All-gathers (with their copy-in: the cast to
@@ -35,32 +36,38 @@ Gathered parameter storage and activations are allocated and freed on compute, i
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-Event = torch.cuda.Event
+from fullshard.dist.device import cuda_semantics, current_stream, new_stream, use_stream
+from fullshard.testing import emulation
+
+# torch.cuda.Event, or the emulation's VirtualEvent (NOTE [The CUDA path on CPU])
+Event = Any
 
 
 class Streams:
     """The gather and reduce streams of one device (``None`` on CPU: everything is serial)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.cuda = cuda_semantics(device)
         self.device = device
-        self.gather: torch.cuda.Stream | None = None
-        self.reduce: torch.cuda.Stream | None = None
+        self.gather: Any = None
+        self.reduce: Any = None
+        self.all_reduce: Any = None  # HSDP's replica all-reduce (NOTE [Reducing on streams])
         # rule 2: the last forward all-gather's buffers and the event after their copy-out
         self._held: tuple[list[torch.Tensor], Event] | None = None
         if self.cuda:
             # High priority (-1, as FSDP2): a collective's launch and its copies should not wait
             # behind queued compute kernels.
-            self.gather = torch.cuda.Stream(device, priority=-1)
-            self.reduce = torch.cuda.Stream(device, priority=-1)
+            self.gather = new_stream(device, "gather")
+            self.reduce = new_stream(device, "reduce")
+            self.all_reduce = new_stream(device, "all-reduce")
 
-    def _compute(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+    def _compute(self) -> Any:
+        return current_stream(self.device)
 
     def gather_ready(self) -> None:
         """Rule 1: the gather stream waits for everything compute has queued (the optimizer)."""
@@ -68,12 +75,12 @@ class Streams:
             self.gather.wait_stream(self._compute())
 
     @contextlib.contextmanager
-    def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    def on(self, stream: Any) -> Iterator[None]:
         """Run on ``stream`` (its order against compute is set by events and waits)."""
         if stream is None:
             yield
             return
-        with torch.cuda.stream(stream):
+        with use_stream(stream):
             yield
 
     @contextlib.contextmanager
@@ -83,19 +90,28 @@ class Streams:
             yield
             return
         self.reduce.wait_stream(self._compute())
-        with torch.cuda.stream(self.reduce):
+        with use_stream(self.reduce):
             yield
 
-    def record(self, stream: torch.cuda.Stream | None) -> Event | None:
+    def record(self, stream: Any) -> Event | None:
         """An event at the current end of ``stream`` (``None`` on CPU)."""
         if stream is None:
             return None
         return stream.record_event()
 
+    def record_compute(self) -> Event | None:
+        """An event at the current end of the compute stream (``None`` on CPU)."""
+        return self._compute().record_event() if self.cuda else None
+
     def compute_waits(self, event: Event | None) -> None:
         """The compute stream waits for ``event`` (no host synchronisation)."""
         if event is not None:
             self._compute().wait_event(event)
+
+    def gather_waits(self, event: Event | None) -> None:
+        """The gather stream waits for ``event`` (no host synchronisation)."""
+        if event is not None and self.gather is not None:
+            self.gather.wait_event(event)
 
     def gathered(self, buffers: list[torch.Tensor], defer: bool) -> None:
         """Rule 2, after a copy-out of ``buffers`` (the all-gather's) was queued on compute:
@@ -121,7 +137,15 @@ class Streams:
             self._held = None
 
 
-@functools.cache
+_STREAMS: dict[torch.device, Streams] = {}
+
+
 def streams_for(device: torch.device) -> Streams:
-    """The process's gather and reduce streams for ``device`` (shared by every unit on it)."""
-    return Streams(device)
+    """The process's gather and reduce streams for ``device`` (shared by every unit on it); under
+    the CUDA emulation, that emulation's virtual ones (NOTE [The CUDA path on CPU])."""
+    emu = emulation.active_emulation()
+    cache: dict[torch.device, Streams] = _STREAMS if emu is None else emu.owned
+    found = cache.get(device)
+    if found is None:
+        found = cache[device] = Streams(device)
+    return found

@@ -46,6 +46,7 @@ from fullshard.dist.desync import (
     write_dynamic_tag,
     write_static_tag,
 )
+from fullshard.dist.device import cuda_semantics
 from fullshard.dist.mesh import MeshInfo
 from fullshard.engine.extension import ExtensionGroup, has_extension_hooks
 from fullshard.engine.param import GatheredStorage, ShardedParam
@@ -59,6 +60,7 @@ from fullshard.policies import (
     OffloadPolicy,
 )
 from fullshard.shard.layout import FlatLayout
+from fullshard.testing import emulation
 
 
 class UnitState(enum.Enum):
@@ -123,6 +125,8 @@ class CommUnit(ReduceGrads):
         self.comm = Comm(mesh.group, mesh.timeout, name, replicate_group=mesh.replicate_group)
         self.post_forward: PostForward | None = None
         self.post_forward_shard: torch.Tensor | None = None
+        # compute's event after packing post_forward_shard: the backward gather reads it
+        self.post_forward_event: Event | None = None
         self.name = name
         self.index = UNREGISTERED  # set by the root (NOTE [Collective positions])
         self.verdict = Verdict()  # replaced by the root's
@@ -139,7 +143,7 @@ class CommUnit(ReduceGrads):
         self.pin_memory = (
             isinstance(offload, CPUOffloadPolicy)
             and offload.pin_memory
-            and mesh.device.type == "cuda"
+            and cuda_semantics(mesh.device)
         )
         self.groups = self._make_groups(params, originals)
         self.trainable = [p for p in params if p.requires_grad]
@@ -327,6 +331,9 @@ class CommUnit(ReduceGrads):
         pos = comm.position("all_gather", gather_phase(why), self.index)
         if pos.phase == "unshard()":
             s.gather_ready()  # outside a step's forward/backward: the optimizer may have run
+        if pf is not None:  # the shard compute packed after forward (FSDP2's reshard event)
+            s.gather_waits(self.post_forward_event)
+            self.post_forward_event = None
         with s.on(s.gather):
             if pf is not None:
                 assert self.post_forward_shard is not None
@@ -337,6 +344,7 @@ class CommUnit(ReduceGrads):
                 send = self._wire(pos)
                 numel = send.numel() * self.mesh.world_size
             out = comm.gather_buffer(numel, send.dtype, send.device)
+            emulation.name_tensor(out, f"all-gather output of unit '{self.name}'")
             pending = comm.all_gather(out, send, pos)  # type: ignore[arg-type]
         self.gather_in_flight = GatherInFlight(pending, out, send, pos, pf is not None)
 
@@ -431,7 +439,10 @@ class CommUnit(ReduceGrads):
             fulls = [p.unsharded for p in self.params]  # views of the gathered storage
             pf.layout.pack_shard(fulls, pf.rank, shard)  # type: ignore[arg-type]
         write_static_tag(shard[-TAG_LEN:], self.index)
-        self.post_forward_shard = shard
+        self.post_forward_shard = emulation.name_tensor(
+            shard, f"post-forward shard of '{self.name}'"
+        )
+        self.post_forward_event = self.streams.record_compute()
 
     @property
     def gathered(self) -> bool:

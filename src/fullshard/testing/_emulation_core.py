@@ -96,11 +96,15 @@ class Emulation:
         self.storages: dict[int, _Storage] = {}  # by id() of the (preserved) storage object
         self.collective_timelines: dict[int, int] = {}
         self.pending: list[StreamOrderError] = []
+        # allocating stream -> (use not ordered before it, tensor, how freed): check_reuse
+        self.freed: dict[int, list[tuple[_Access, str, str]]] = {}
         self.paused = False
         self.sync_kind: str | None = None
         self.active = True
         self.stack: list[VirtualStream] = []
         self.compute = self.current = VirtualStream("compute", _emulation=self)
+        # objects the code under test keeps per emulation (the engine's virtual streams)
+        self.owned: dict[Any, Any] = {}
 
     # -- timelines ------------------------------------------------------------------------
     def timeline(self, name: str) -> int:
@@ -166,9 +170,12 @@ class Emulation:
         return DEVICE if self.all_device else HOST_MEMORY
 
     def mark(self, t: torch.Tensor, kind: str) -> _Storage | None:
-        """Make ``t``'s storage ``kind``; a change starts it afresh (no accesses yet)."""
+        """Make ``t``'s storage ``kind``; a change starts it afresh (no accesses yet): marked a
+        device storage, it counts as allocated now, on the current stream."""
         found = self.info(t, create=True)
         if found is not None and found.kind != kind:
+            if kind == DEVICE:
+                self.check_reuse(self.current.tid, f"a new {_describe(t)}")
             found.kind, found.write, found.reads = kind, None, {}
             found.alloc = self.current.tid
         return found
@@ -223,6 +230,8 @@ class Emulation:
             except (RuntimeError, NotImplementedError):
                 continue
             if id(storage) not in self.storages:  # else an unannotated view: metadata only
+                if storage.nbytes() > 0:
+                    self.check_reuse(tid, op)
                 made = _Storage(DEVICE, tid, _describe(t), write=_Access(tid, seq, op, True))
                 self._register(storage, made)
 
@@ -246,33 +255,48 @@ class Emulation:
             f"ordering that before this point: {fix}"
         )
 
-    def check_free(self, found: _Storage, how: str) -> StreamOrderError | None:
-        """The caching allocator's rule (NOTE [Happens-before under CUDA emulation])."""
+    def check_free(self, found: _Storage, how: str) -> None:
+        """The caching allocator's rule (NOTE [Happens-before under CUDA emulation]): a freed
+        block goes back to its allocating stream's pool at once. Each use on another stream
+        (not covered by ``record_stream``) that is not yet ordered before that stream is kept,
+        and checked at the stream's next allocation (``check_reuse``), which may get the block."""
         if found.kind != DEVICE:
-            return None  # the pinned allocator waits for its copies itself
+            return  # the pinned allocator waits for its copies itself
         view = {**self.clocks[found.alloc]}
         merge(view, self.clocks[HOST])
         for prev in [found.write, *found.reads.values()]:
             if prev is None or prev.tid in (found.alloc, *found.recorded):
                 continue
             if view.get(prev.tid, 0) < prev.seq:
-                alloc, there = self.who(found.alloc), self.who(prev.tid)
-                return StreamOrderError(
-                    f"{self.label(found, found.desc)}, allocated on {alloc}, is freed ({how}) "
-                    f"while {prev.op} on {there} {'writing' if prev.write else 'reading'} it is "
-                    f"not ordered before {alloc}'s current point: the caching allocator may hand "
-                    f"the memory to {alloc}'s next allocation at once (make {alloc} wait on an "
-                    f"event recorded on {there} after that use, or call "
-                    f"tensor.record_stream() with that stream)"
+                what = self.label(found, found.desc)
+                self.freed.setdefault(found.alloc, []).append((prev, what, how))
+
+    def check_reuse(self, tid: int, made: str) -> None:
+        """An allocation on stream ``tid``: raise if a block freed there may still be in use
+        on another stream (an access of it not ordered before this point)."""
+        hazards = self.freed.get(tid)
+        if not hazards:
+            return
+        view = {**self.clocks[tid]}
+        merge(view, self.clocks[HOST])
+        for prev, what, how in hazards:
+            if view.get(prev.tid, 0) < prev.seq:
+                del self.freed[tid]
+                alloc, there = self.who(tid), self.who(prev.tid)
+                raise StreamOrderError(
+                    f"{what}, allocated on {alloc}, was freed ({how}) while {prev.op} on "
+                    f"{there} {'writing' if prev.write else 'reading'} it was not ordered before "
+                    f"{alloc}; the caching allocator may hand that memory to this allocation "
+                    f"on {alloc} ({made}) at once. Make {alloc} wait on an event recorded on "
+                    f"{there} after that use before it allocates again (or call "
+                    "tensor.record_stream() with that stream)"
                 )
-        return None
+        del self.freed[tid]  # every hazard is ordered now: the block is safe to reuse
 
     def _freed(self, key: int) -> None:
         found = self.storages.pop(key, None)
         if found is not None and self.active:
-            error = self.check_free(found, "its last tensor was deleted")
-            if error is not None:
-                self.pending.append(error)
+            self.check_free(found, "its last tensor was deleted")
 
     def close(self) -> None:
         self.active = False
@@ -486,6 +510,15 @@ class FunctionMode(TorchFunctionMode):
             out = func(*args, **{**kwargs, "pin_memory": False})
             emu.mark(out, PINNED)
             return out
+        if func in _FROM_DATA and emu.all_device and kwargs.get("device") in (None, "cpu"):
+            # a tensor made from Python data with no device (or the string "cpu", as torch's
+            # optimizers host their step counts) is host memory on a CUDA machine, e.g.
+            # torch.tensor(values) staged for a copy to the device (pageable: blocking)
+            out = func(*args, **kwargs)
+            from_tensor = bool(args) and isinstance(args[0], torch.Tensor)  # may share storage
+            if isinstance(out, torch.Tensor) and not from_tensor:
+                emu.mark(out, HOST_MEMORY)
+            return out
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if t is None or func not in _METHODS:
             return func(*args, **kwargs)
@@ -539,6 +572,32 @@ class FunctionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_FROM_DATA = (torch.tensor, torch.as_tensor)
+
+
+@contextlib.contextmanager
+def backward_sees(mode: FunctionMode) -> Iterator[None]:
+    """A ``TorchFunctionMode`` is off while its handler runs, so all of ``loss.backward()``
+    (the engine's hooks included) would run unseen; the autograd engine's entry is wrapped to
+    put the mode back for the backward pass itself."""
+    import torch.autograd as autograd
+    import torch.autograd.graph as graph
+
+    original = graph._engine_run_backward
+
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        if _EMU is None or torch._C._is_torch_function_mode_enabled():
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+
+    autograd._engine_run_backward = graph._engine_run_backward = run_backward  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        autograd._engine_run_backward = graph._engine_run_backward = original  # type: ignore[attr-defined]
+
+
 def _is_cpu(device: str | torch.device) -> bool:
     try:
         return torch.device(device).type == "cpu"
@@ -564,9 +623,9 @@ def resize_storage(storage: torch.UntypedStorage, size: int) -> Any:
             found = emu._register(storage, _Storage(DEVICE, HOST, f"{storage.nbytes()} bytes"))
         if found is not None and found.kind == DEVICE:
             if storage.nbytes() > 0:
-                error = emu.check_free(found, f"untyped_storage().resize_({size})")
-                if error is not None:
-                    raise error
+                emu.check_free(found, f"untyped_storage().resize_({size})")
+            if size > 0:
+                emu.check_reuse(emu.current.tid, f"untyped_storage().resize_({size})")
             found.write, found.reads, found.recorded = None, {}, set()
             found.alloc = emu.current.tid
     return ORIGINAL_RESIZE(storage, size)

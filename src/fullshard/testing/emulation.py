@@ -111,6 +111,7 @@ __all__ = [
     "StreamOrderError",
     "VirtualEvent",
     "VirtualStream",
+    "active_emulation",
     "as_device",
     "count_host_sync",
     "cuda_emulation",
@@ -276,6 +277,11 @@ def is_active() -> bool:
     return core.active() is not None
 
 
+def active_emulation() -> Emulation | None:
+    """The active emulation (``None`` outside one)."""
+    return core.active()
+
+
 @contextlib.contextmanager
 def untracked() -> Iterator[None]:
     """Ops in this block are neither checked nor recorded: for the test bed's own mechanics
@@ -300,7 +306,7 @@ def cuda_emulation(*, all_device: bool = False) -> Iterator[Emulation]:
     reset_sync_counts()
     torch.UntypedStorage.resize_ = core.resize_storage  # type: ignore[method-assign,assignment]
     try:
-        with core.DispatchMode(emu), core.FunctionMode(emu):
+        with core.DispatchMode(emu), core.FunctionMode(emu) as mode, core.backward_sees(mode):
             yield emu
     finally:
         torch.UntypedStorage.resize_ = core.ORIGINAL_RESIZE  # type: ignore[method-assign]

@@ -1,0 +1,255 @@
+"""The engine's CUDA code path run on CPU under ``fullshard.testing.cuda_emulation`` (issue 17).
+
+``run_config(name, rank, world)`` trains ``Net`` for a few AdamW steps in one configuration
+(strategy, precision, offload, int reshard, HSDP, accumulation) twice: once plainly and once
+under the emulation, where the engine takes its CUDA path (virtual gather / reduce / all-reduce
+streams, stream-ordered collective waits, pinned offload copies, deferred desync verdicts).
+It returns whether the two runs are the same bits (the emulation only observes), the
+``StreamOrderError`` the checker raised (or ``None``) and the host synchronisations counted in
+each quiet step (every step after the first, where lazy init may read). ``MUTATIONS`` put back
+each defect issue 17 found, for the tests that show the checker catches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from fsdp2_programs import Net
+from toy import batches, loss_of
+
+from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fullshard.testing import emulation
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce in bf16: defect 1's case
+
+
+def _mesh(world: int, hsdp: bool) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if hsdp:
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
+# name -> (fully_shard keyword arguments for the blocks, micro-batches per step)
+CONFIGS: dict[str, tuple[dict[str, Any], int]] = {
+    "full_shard": ({}, 1),
+    "shard_grad_op": ({"reshard_after_forward": False}, 1),
+    "reshard_int": ({"reshard_after_forward": 2}, 1),
+    "hybrid_shard": ({"hsdp": True}, 1),
+    "bf16": ({"mp_policy": BF16}, 1),
+    "cpu_offload_bf16": ({"mp_policy": BF16, "offload_policy": CPUOffloadPolicy()}, 1),
+    "accumulation": ({}, 3),
+    "hsdp_accumulation": ({"hsdp": True}, 3),
+}
+
+
+def _build(world: int, kw: dict[str, Any]) -> Net:
+    torch.manual_seed(0)
+    model = Net()
+    kw = dict(kw)
+    mesh = _mesh(world, kw.pop("hsdp", False))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, **kw)
+    kw.pop("reshard_after_forward", None)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+class AllReduceProbe:
+    """Counts the moments compute is ordered after a replica all-reduce before the end of the
+    backward that issued it (FSDP2 waits for it once, at the end: defect 3)."""
+
+    def __init__(self, emu: Any) -> None:
+        self.emu, self.works, self.early = emu, [], 0
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        from fullshard.dist.collectives import Comm
+
+        issue = Comm.all_reduce_replicas
+
+        def all_reduce_replicas(comm: Any, tensor: torch.Tensor) -> Any:
+            pending = issue(comm, tensor)
+            self.works.append(pending._work)
+            return pending
+
+        with _patched(Comm, "all_reduce_replicas", all_reduce_replicas):
+            yield
+
+    def __call__(self, point: Any, unit: Any) -> None:
+        from fullshard.engine.schedule import Point
+
+        if point is Point.BACKWARD_DONE:
+            self.works = []
+        elif point is Point.BACKWARD_END:
+            compute = self.emu.clocks[self.emu.compute.tid]
+            done = [w._done for w in self.works]
+            self.early += sum(all(compute.get(t, 0) >= n for t, n in d.items()) for d in done)
+
+
+def _train(model: Net, rank: int, world: int, micro: int, steps: int, emu: Any) -> list[int]:
+    """``steps`` steps; the host synchronisations counted in each (under ``emu``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = batches(steps * micro, world)
+    counts = []
+    for step in range(steps):
+        if step == 1 and emu is not None:
+            from fullshard.engine.sharding import subscribe
+
+            emu.owned["probe"].works = []  # the first step's, waited for at its end
+            subscribe(model, emu.owned["probe"])
+        if emu is not None:
+            emulation.reset_sync_counts()
+        for k in range(micro):
+            last = k == micro - 1
+            model.set_requires_gradient_sync(last)
+            loss_of(model, data[step * micro + k][rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append(sum(emulation.sync_counts().values()) if emu is not None else 0)
+    return counts
+
+
+def run_config(
+    rank: int, world: int, name: str, mutation: str | None = None, steps: int = 2
+) -> dict[str, Any]:
+    """``name`` of ``CONFIGS`` plainly and under the emulation (with ``mutation`` applied)."""
+    kw, micro = CONFIGS[name]
+    plain = _build(world, kw)
+    _train(plain, rank, world, micro, steps, None)
+    expected = {k: v.to_local().detach().clone() for k, v in plain.named_parameters()}
+    error, counts, sites, early = None, [], {}, 0
+    with MUTATIONS[mutation]() if mutation else contextlib.nullcontext():
+        try:
+            with emulation.cuda_emulation(all_device=True) as emu:
+                probe = emu.owned["probe"] = AllReduceProbe(emu)
+                model = _build(world, kw)
+                with probe.watching():
+                    counts = _train(model, rank, world, micro, steps, emu)
+                early = probe.early
+                sites = {f"{k} at {s}": n for (k, s), n in emulation.sync_counts().items()}
+                got = {k: v.to_local().detach().clone() for k, v in model.named_parameters()}
+        except emulation.StreamOrderError as exc:
+            error = str(exc)
+    same = error is None and all(torch.equal(expected[k], got[k]) for k in expected)
+    return {
+        "error": error,
+        "same_bits": same,
+        "quiet_syncs": counts[1:],
+        "last_sites": sites,
+        "early_all_reduce_waits": early,
+    }
+
+
+def run_configs(rank: int, world: int, runs: list[tuple[str, str | None]]) -> dict[str, Any]:
+    """Several ``(config, mutation)`` runs in one launch."""
+    return {f"{n}/{m}": run_config(rank, world, n, m) for n, m in runs}
+
+
+# -- the defects, put back ---------------------------------------------------------------------
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    old = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def _defect1() -> contextlib.AbstractContextManager[None]:
+    """Offloaded gradients cast on the host from the pinned buffer the GPU is still writing."""
+    from fullshard.engine import unit_reduce
+
+    def set_grads(self: Any, shard: torch.Tensor, present: list[bool]) -> None:
+        factor = self.divide_factor or self.mesh.data_parallel_size
+        if factor != 1:
+            shard.div_(factor)
+        if self.offload:
+            shard = self._to_host(shard)
+        for j, p in enumerate(self.trainable):
+            if present[j]:
+                g = self.grad_layout.shard_view(shard, j, self.mesh.rank)
+                p.add_grad(g.to(p.sharded.dtype) if g.dtype != p.sharded.dtype else g)
+
+    return _patched(unit_reduce.ReduceGrads, "_set_grads", set_grads)
+
+
+def _defect2_sync() -> contextlib.AbstractContextManager[None]:
+    """The static tag copied from a pageable host tensor, per unit per forward."""
+    from fullshard.engine import unit
+
+    def write_static_tag(tail: torch.Tensor, index: int) -> None:
+        values = [0xA5, index >> 8 & 0xFF, index & 0xFF]
+        tail[:3].copy_(torch.tensor(values, dtype=tail.dtype))
+
+    return _patched(unit, "write_static_tag", write_static_tag)
+
+
+def _defect2_event() -> contextlib.AbstractContextManager[None]:
+    """No event between compute's post-forward pack and the backward gather that sends it."""
+    from fullshard.engine.streams import Streams
+
+    return _patched(Streams, "gather_waits", lambda self, event: None)
+
+
+def _defect3() -> contextlib.AbstractContextManager[None]:
+    """HSDP: the replica all-reduce issued at the next unit's post-backward, compute waiting
+    for it there (the host-wait path's order, taken on CUDA)."""
+    from fullshard.engine import unit_reduce
+
+    original = unit_reduce.ReduceGrads.reduce_grads
+
+    def reduce_grads(self: Any) -> None:
+        cuda = self.streams.cuda
+        self.streams.cuda = False  # the deferred (host-path) order, on the CUDA streams
+        try:
+            original(self)
+        finally:
+            self.streams.cuda = cuda
+
+    def finish_reduce(self: Any) -> None:
+        cuda = self.streams.cuda
+        self.streams.cuda = False
+        try:
+            finish(self)
+        finally:
+            self.streams.cuda = cuda
+
+    finish = unit_reduce.ReduceGrads.finish_reduce
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(unit_reduce.ReduceGrads, "reduce_grads", reduce_grads))
+    stack.enter_context(_patched(unit_reduce.ReduceGrads, "finish_reduce", finish_reduce))
+    return stack
+
+
+def _defect6() -> contextlib.AbstractContextManager[None]:
+    """Verdicts read with event.synchronize() whenever more than one is pending."""
+    from fullshard.dist import desync
+
+    def poll(self: Any, block: bool = False) -> None:
+        while self._pending:
+            event, host, items = self._pending[0]
+            if event is not None:
+                if not (block or len(self._pending) > 1 or event.query()):
+                    return
+                event.synchronize()
+            self._pending.pop(0)
+            for flag, item in zip(host.tolist(), items, strict=True):
+                if flag:
+                    self._raise_if_bad(item, late=True)
+
+    return _patched(desync.Verdict, "poll", poll)
+
+
+MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "defect1": _defect1,
+    "defect2_sync": _defect2_sync,
+    "defect2_event": _defect2_event,
+    "defect3": _defect3,
+    "defect6": _defect6,
+}
