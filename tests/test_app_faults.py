@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -28,11 +29,13 @@ ARGS = [
 
 
 def _train(
-    args: list[str], fault: str = "", deadline_s: float = 300
+    args: list[str], fault: str = "", deadline_s: float = 300, emulated: bool = False
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     if fault:
         env["FULLSHARD_FAULT"] = fault
+    if emulated:  # the CUDA path, checked on CPU (NOTE [The CUDA path on CPU])
+        env["FULLSHARD_CUDA_EMULATION"] = "1"
     return run_command(
         [sys.executable, "-m", "fullshard.app.cli", "train", *ARGS, *args],
         deadline_s=deadline_s,
@@ -75,6 +78,33 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
     w4 = _weights(ckpts / "step_00000004", tmp_path / "4.safetensors")
     assert all(torch.equal(w2[k], w3[k]) for k in w2)  # step 3 changed nothing, on any rank
     assert not all(torch.equal(w3[k], w4[k]) for k in w3)  # and training went on
+
+
+def test_on_the_cuda_path_the_device_skips_the_step_and_quiet_steps_never_sync(
+    tmp_path: Path,
+) -> None:
+    """NOTE [The step's verdict on the device], under the CUDA emulation: fused AdamW skips
+    the non-finite step 3 on the device, the device schedule stays put, the host hears of it a
+    step later; no quiet step synchronises the host. The weights match the host-decided run's
+    (the same command on plain CPU; fused AdamW rounds differently from foreach AdamW)."""
+    common = ["--max-steps", "5", "--log-every", "5", "--save-every", "0"]
+    runs = {"cpu": False, "emulated": True}
+    for name, emulated in runs.items():
+        proc = _train(
+            [*common, "--runs-dir", str(tmp_path), "--name", name],
+            fault="nan:rank=1:step=3",
+            emulated=emulated,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "step 3: non-finite loss or gradient, optimizer step skipped" in proc.stdout
+    summary = json.loads((tmp_path / "emulated" / "summary.json").read_text())
+    syncs = summary["host_syncs_per_step"]
+    print(f"\nhost syncs per step under the emulation: {syncs}")
+    assert summary["skipped_nonfinite"] == [3]
+    assert [syncs[str(s)] for s in (2, 3, 4)] == [0, 0, 0], syncs  # quiet steps, step 3 too
+    a = _weights(tmp_path / "cpu" / "checkpoints", tmp_path / "a.safetensors")
+    b = _weights(tmp_path / "emulated" / "checkpoints", tmp_path / "b.safetensors")
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
 
 
 def test_nan_with_on_nonfinite_stop_fails_every_rank_with_the_step(tmp_path: Path) -> None:

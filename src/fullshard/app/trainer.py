@@ -10,6 +10,7 @@ step, which needs the verdict). Logged steps read a little more (metrics, memory
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,7 +37,7 @@ from fullshard.app.data import (
     load_tokens,
     split_for_rank,
 )
-from fullshard.app.faults import NonFiniteError, agree_step, fault_from_env
+from fullshard.app.faults import agree_step, fault_from_env
 from fullshard.app.launch import DistInfo, rank_session, world_size_from_env
 from fullshard.app.models import (
     build_model,
@@ -55,7 +56,16 @@ from fullshard.app.preempt import (
     signal_name,
     write_marker,
 )
+from fullshard.app.step_verdict import (
+    DeviceSchedule,
+    StepBook,
+    StepVerdicts,
+    cosine_multiplier,
+    fused_adamw_available,
+)
 from fullshard.dist import control
+from fullshard.dist.device import cuda_semantics
+from fullshard.testing import emulation
 
 __all__ = ["log_line", "lr_lambda", "param_groups", "progress_bar", "to_device", "train"]
 
@@ -86,12 +96,21 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _save(ckpt: TrainCheckpoints, step: int, dsched: DeviceSchedule | None) -> None:
+    """Checkpoint after ``step``; a device schedule's state is read first (one host read)."""
+    if dsched is None:
+        ckpt.save(step)
+        return
+    with dsched.as_floats():
+        ckpt.save(step)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` without waiting for the device: a pageable host-to-GPU copy blocks
     the host until the GPU has finished everything queued before it, so batches go through
     pinned memory, asynchronously (the caching host allocator keeps the pinned buffer alive
     until the copy has run)."""
-    if device.type != "cuda":
+    if not cuda_semantics(device):
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
@@ -152,7 +171,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     tokenizer = build_tokenizer(cfg.tokenizer)
     tokens = load_tokens(cfg.data, tokenizer)  # a prepared folder is memory-mapped, not read
     with rank_session(cfg.device, cfg.timeout, cfg.backend) as info:
-        return _train(cfg, info, tokenizer, tokens)
+        # FULLSHARD_CUDA_EMULATION=1: the whole run takes its CUDA path on CPU, checked
+        # (fullshard.testing.cuda_emulation), and summary.json counts host syncs per step
+        checked = emulation.enabled_from_env()
+        with emulation.cuda_emulation(all_device=True) if checked else contextlib.nullcontext():
+            return _train(cfg, info, tokenizer, tokens)
 
 
 def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dict[str, Any]:
@@ -193,12 +216,21 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
         reshard_after_forward=reshard_after_forward_arg(cfg.reshard_after_forward),
         cpu_offload=cfg.cpu_offload,
     )
+    # NOTE [The step's verdict on the device]: on the CUDA path the device skips non-finite
+    # steps (fused AdamW's found_inf, a device schedule) and the host reads verdicts a step late
+    on_device = cuda_semantics(device) and fused_adamw_available(device)
     opt = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        **({"fused": True} if on_device else {}),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     )
+    multiplier = cosine_multiplier(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    dsched = DeviceSchedule(opt, sched, multiplier, device) if on_device else None
+    verdicts = StepVerdicts(lag=1 if on_device else 0)
     # fp16 needs loss scaling; the sharded scaler makes the skip decision on every rank alike
     scaler = ShardedGradScaler(device.type) if cfg.mixed_precision == "fp16" else None
 
@@ -220,6 +252,8 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
         # restarted by torchrun after a failure: continue from the last complete checkpoint
         resume = "latest" if ckpt.resolve("latest") is not None else None
     done = ckpt.resume(resume) if resume is not None else 0
+    if dsched is not None:
+        dsched.reload()  # the loaded optimizer holds float learning rates again
     fault = fault_from_env()
     skipped: list[int] = []
     if rank == 0:
@@ -244,12 +278,18 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
     start = last_t = time.perf_counter()
     last_step, first_loss, last_loss, val_loss = done, float("nan"), float("nan"), None
     stopped = preempted = False
+    book = StepBook(cfg, rank, scaler is None, log, losses, skipped)
     step = done
     if rank == 0:
         clear_marker()  # this attempt trains on: an earlier attempt's preemption is over
     # NOTE [Preemption]: from here on a stop signal only sets a flag, which the step votes on
+    host_syncs: dict[str, int] = {}  # under the CUDA emulation: step -> host syncs counted
     with StopSignals() as signals:
         for step in range(done + 1, cfg.max_steps + 1):
+            if emulation.is_active():
+                if step > done + 1:
+                    host_syncs[str(step - 1)] = sum(emulation.sync_counts().values())
+                emulation.reset_sync_counts()
             poison = fault.at_step(step, rank) if fault is not None else False
             # The step's figures (loss, gradient norm, votes) stay on the device until the
             # step's one read below: no per-micro-batch float(loss) stalls the host.
@@ -271,51 +311,53 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
             # Every precision votes: with fp16 the scaler's own vote decides skipping (it skips
             # and rescales), but the ranks must still agree on when to stop.
             votes = agree_step(loss_sum, norm, signals.flag(device)).to(device)
-            # The step's one host synchronisation: the host must know the verdict before the
-            # optimizer step, because a non-finite step is skipped on every rank.
-            step_loss, grad_norm, nonfinite, stop = torch.cat([figures, votes]).tolist()
-            bad = scaler is None and nonfinite > 0
-            # a signal after the last step's vote changes nothing: the run is complete
-            preempted = stop > 0 and step < cfg.max_steps
-            if bad:
-                # every rank reached the same verdict: no rank's parameters change this step
-                skipped.append(step)
-                if cfg.on_nonfinite == "stop":
-                    raise NonFiniteError(
-                        f"rank {rank}: step {step} produced a non-finite loss or gradient "
-                        f"(loss {step_loss}, gradient norm {grad_norm}); stopping "
-                        "(--on-nonfinite stop). Lower --lr, check the data, or use "
-                        "--on-nonfinite skip."
-                    )
-                if log is not None:
-                    log.write({"step": step, "skipped": "non-finite loss or gradient"})
-                if rank == 0:
-                    print(
-                        f"step {step}: non-finite loss or gradient, optimizer step skipped",
-                        flush=True,
-                    )
-            lr = sched.get_last_lr()[0]
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            elif not bad:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            if not bad:  # a skipped step leaves the schedule where it was, too
-                sched.step()
-                losses.append(step_loss)
+            row = torch.cat([figures, votes])
+            is_eval = step == cfg.max_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+            # NOTE [The step's verdict on the device]: which steps read their own row at once
+            urgent = (
+                step == 1
+                or step % cfg.log_every == 0
+                or is_eval
+                or (cfg.save_every > 0 and step % cfg.save_every == 0)
+                or (cfg.stop_after > 0 and step - done >= cfg.stop_after)
+                or cfg.on_nonfinite == "stop"
+            )
+            lr = sched.get_last_lr()[0] if dsched is None else dsched.lrs[0].clone()
+            if dsched is not None:  # the device decides: skipped there, schedule included
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.found_inf = votes[0].float()  # type: ignore[attr-defined]
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+                dsched.step(1.0 - votes[0] if scaler is None else torch.ones_like(votes[0]))
+            bad = book.act(verdicts.push(step, row, now=urgent))
+            # this step's own verdict is known now on CPU, and on urgent steps on the device
+            bad = bad and (urgent or verdicts.lag == 0)
+            preempted = book.preempted
+            if dsched is None:
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                elif not bad:
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+                if not bad:  # a skipped step leaves the schedule where it was, too
+                    sched.step()
 
             if cfg.save_every > 0 and step % cfg.save_every == 0:
-                ckpt.save(step)
+                _save(ckpt, step, dsched)
             stopped = preempted or (
                 cfg.stop_after > 0 and step - done >= cfg.stop_after and step < cfg.max_steps
             )
-            is_eval = step == cfg.max_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
             if bad or not (step == 1 or step % cfg.log_every == 0 or is_eval or stopped):
                 if bar is not None:
                     bar.update(1)
             else:
                 # Logged step: a few tiny collectives, on every rank.
+                book.act(verdicts.flush())  # a stop found a step late: this step's row too
+                lr, grad_norm = float(lr), book.grad_norm
                 mean_loss = _global_mean(losses)
                 losses.clear()
                 mem = gather_memory(device)
@@ -346,10 +388,10 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
                 if preempted and fault is not None:
                     fault.at_preemption_save(rank)
                 if ckpt.last_saved != step:
-                    ckpt.save(step)
+                    _save(ckpt, step, dsched)
                 ckpt.wait()  # committed (an async save too) before any rank leaves
                 if rank == 0 and preempted:
-                    _report_preemption(step, ckpt.resolve("latest"), signal_name(stop))
+                    _report_preemption(step, ckpt.resolve("latest"), signal_name(book.stop))
                 elif rank == 0:
                     print(f"stopped after step {step} (--stop-after); resume with --resume latest")
                 break
@@ -357,7 +399,8 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
         if bar is not None:
             bar.close()
         if not stopped and ckpt.last_saved != cfg.max_steps:
-            ckpt.save(cfg.max_steps)  # the finished run's weights: resume, convert or export them
+            # the finished run's weights: resume, convert or export them
+            _save(ckpt, cfg.max_steps, dsched)
         ckpt.wait()
 
     sample = ""
@@ -387,6 +430,9 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
         "tokens_per_s": round(tokens_per_step * (step - done) / wall, 1),
         "data_state": sampler.state_dict(),
     }
+    if emulation.is_active():
+        host_syncs[str(step)] = sum(emulation.sync_counts().values())  # with the final save
+        summary["host_syncs_per_step"] = host_syncs
     if rank == 0 and run_dir is not None and log is not None:
         log.close()
         (run_dir / "summary.json").write_text(

@@ -54,18 +54,29 @@ def _groups(
 
 
 def _local(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """This rank's contribution: max |g| for the inf-norm, else sum of |g|^p (in float64)."""
+    """This rank's contribution: max |g| for the inf-norm, else sum of |g|^p (in float64).
+
+    One foreach norm per device and dtype (as torch's ``clip_grad_norm_``), not a few kernels
+    per parameter."""
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in map(local_of, grads):
-        if g.numel() == 0:
-            continue  # an empty shard (more ranks than rows) contributes nothing
+    for ts in _by_device_and_dtype(grads).values():
         if math.isinf(norm_type):
-            total = torch.maximum(total, g.detach().abs().max().double())
+            norms = torch._foreach_norm(ts, math.inf)
+            total = torch.maximum(total, torch.stack(norms).max().double().to(device))
         else:
-            total += (
-                torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64) ** norm_type
-            )
+            norms = torch._foreach_norm(ts, norm_type, dtype=torch.float64)
+            total += torch.stack(norms).pow(norm_type).sum().to(device)
     return total
+
+
+def _by_device_and_dtype(grads: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """The local (detached) gradients by (device, dtype); empty shards (more ranks than rows)
+    contribute nothing and are left out."""
+    out: dict[Any, list[torch.Tensor]] = {}
+    for g in map(local_of, grads):
+        if g.numel():
+            out.setdefault((g.device, g.dtype), []).append(g.detach())
+    return out
 
 
 def clip_grad_norm_(
@@ -107,10 +118,8 @@ def clip_grad_norm_(
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(f"the total norm of gradients is non-finite ({norm.item()})")
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in with_grad:
-        assert p.grad is not None
-        grad = local_of(p.grad)
-        grad.detach().mul_(coef.to(grad.device, grad.dtype))
+    for (dev, dtype), ts in _by_device_and_dtype([p.grad for p in with_grad]).items():  # type: ignore[misc]
+        torch._foreach_mul_(ts, coef.to(dev, dtype))
     return norm.to(
         with_grad[0].grad.dtype if with_grad and with_grad[0].grad is not None else torch.float32
     )

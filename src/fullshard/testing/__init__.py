@@ -2,9 +2,9 @@
 may use them).
 
 ``fullshard.testing.cuda_emulation()`` runs code written for CUDA streams on CPU tensors and
-checks CUDA's ordering rules, and counts host synchronisations (``emulation.py``). The engine
-does not take its CUDA path under it yet (issue 17): today it checks code that uses its virtual
-streams and events directly.
+checks CUDA's ordering rules, and counts host synchronisations (``emulation.py``). Under it
+the engine takes its CUDA path (NOTE [The CUDA path on CPU] in ``dist/device.py``);
+``FULLSHARD_CUDA_EMULATION=1`` does the same for ``fullshard train``.
 """
 
 from fullshard.testing.emulation import (

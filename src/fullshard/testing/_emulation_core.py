@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -448,6 +449,8 @@ class DispatchMode(TorchDispatchMode):
         kwargs = kwargs or {}
         emu = self.emu
         if any(t is not torch.Tensor for t in types):
+            if any(issubclass(t, FakeTensor) for t in types):
+                return func(*args, **kwargs)  # shape propagation (DTensor's): no data, no stream
             return NotImplemented  # a subclass: its inner tensors' ops come back here
         if emu.paused or func.namespace in _SKIP_NAMESPACES or func is aten.record_stream.default:
             return func(*args, **kwargs)

@@ -33,11 +33,16 @@ What is emulated:
   asynchronous: a write (or read) by the current stream that the host sees only after
   synchronising. Any other device/host copy blocks the host, as CUDA does (counted below).
 - *The caching allocator.* A device storage is allocated on the stream current at its
-  creation. Freeing it (its last tensor dies, or ``untyped_storage().resize_()``) while a use on
-  another stream is not ordered before the allocating stream's current point raises: CUDA's
-  allocator would hand the block to that stream's next allocation at once. ``t.record_stream(s)``
-  (``VirtualStream`` is a ``torch.Stream``) covers uses on ``s``. A free is seen when the
-  storage dies, where Python cannot raise: that error is raised by the next op (or at exit).
+  creation. Freeing it (its last tensor dies, or ``untyped_storage().resize_()``) returns the
+  block to that stream at once, and CUDA's allocator may hand it to the stream's next
+  allocation: so the next allocation on the allocating stream raises if a use of a block freed
+  there, on another stream, is still not ordered before it (a wait between the free and that
+  allocation makes it safe). ``t.record_stream(s)`` (``VirtualStream`` is a ``torch.Stream``)
+  covers uses on ``s``.
+- *Host memory from Python data.* Under ``all_device``, ``torch.tensor(data)`` and
+  ``torch.as_tensor(data)`` with no device (or ``device="cpu"``, as torch's optimizers host
+  their step counts) make host memory, as on a GPU machine: copying one into a device tensor is
+  a blocking, counted copy.
 - *Collectives* (``emulated_collective``): as NCCL's, they run on a side timeline that first
   waits for the issuing stream, become visible to a stream when it calls ``wait()``, and their
   handle holds their tensors until then.

@@ -1,0 +1,50 @@
+"""NOTE [The step's verdict on the device] (``app/step_verdict.py``) in one process: rows read
+``lag`` steps late unless urgent, the device schedule counting applied steps only, and its
+state written back for checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fullshard.app.step_verdict import DeviceSchedule, StepVerdicts, cosine_multiplier
+from fullshard.app.trainer import lr_lambda
+from fullshard.testing import cuda_emulation, sync_counts
+
+pytestmark = pytest.mark.fast
+
+
+def _row(step: int, nonfinite: bool = False) -> torch.Tensor:
+    return torch.tensor([float(step), 1.0, float(nonfinite), 0.0], dtype=torch.float64)
+
+
+def test_rows_are_read_a_step_late_on_the_device_and_at_once_when_urgent() -> None:
+    with cuda_emulation(all_device=True):
+        v = StepVerdicts(lag=1)
+        assert [x.step for x in v.push(1, _row(1) * 1, now=False)] == []
+        assert [x.step for x in v.push(2, _row(2, True) * 1, now=False)] == [1]
+        got = v.push(3, _row(3) * 1, now=True)  # a logged step: its own row too
+        assert [(x.step, x.nonfinite) for x in got] == [(2, True), (3, False)]
+        assert not any(k == "event.synchronize" for k, _ in sync_counts())
+    assert [x.step for x in StepVerdicts(lag=0).push(5, _row(5), now=False)] == [5]
+
+
+def test_the_device_schedule_counts_applied_steps_only_and_saves_as_lambda_lr() -> None:
+    warmup, total, ratio = 2, 10, 0.1
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([p], lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, total, ratio))
+    d = DeviceSchedule(opt, sched, cosine_multiplier(warmup, total, ratio), torch.device("cpu"))
+    for ok in (1.0, 1.0, 0.0, 1.0):  # the third step was skipped
+        d.step(torch.tensor(ok, dtype=torch.float64))
+    want = 0.5 * lr_lambda(3, warmup, total, ratio)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(want, rel=1e-12)
+    with d.as_floats():
+        assert sched.state_dict()["last_epoch"] == 3
+        assert isinstance(opt.param_groups[0]["lr"], float)
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    sched.last_epoch = 7  # as a checkpoint loads it
+    d.reload()
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(
+        0.5 * lr_lambda(7, warmup, total, ratio), rel=1e-12
+    )
