@@ -1,7 +1,7 @@
 """The engine's CUDA code path run on CPU under ``fullshard.testing.cuda_emulation`` (issue 17).
 
 ``run_config(name, rank, world)`` trains ``Net`` for a few AdamW steps in one configuration
-(strategy, precision, offload, int reshard, HSDP, accumulation) twice: once plainly and once
+(strategy, precision, offload, int reshard, HSDP, accumulation, TP, a checkpoint) twice: once plainly and once
 under the emulation, where the engine takes its CUDA path (virtual gather / reduce / all-reduce
 streams, stream-ordered collective waits, pinned offload copies, deferred desync verdicts).
 It returns whether the two runs are the same bits (the emulation only observes), the
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from fsdp2_programs import Net
-from toy import batches, loss_of
+from toy import Block, batches, loss_of
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from fullshard.testing import emulation
@@ -44,6 +44,8 @@ CONFIGS: dict[str, tuple[dict[str, Any], int]] = {
     "cpu_offload_bf16": ({"mp_policy": BF16, "offload_policy": CPUOffloadPolicy()}, 1),
     "accumulation": ({}, 3),
     "hsdp_accumulation": ({"hsdp": True}, 3),
+    "tensor_parallel": ({"tp": True}, 1),  # FSDP over 2 x TP over 2, the blocks' fc1/fc2
+    "checkpoint": ({"checkpoint": True}, 1),  # DCP save, then load into a fresh model and step
 }
 
 
@@ -51,7 +53,23 @@ def _build(world: int, kw: dict[str, Any]) -> Net:
     torch.manual_seed(0)
     model = Net()
     kw = dict(kw)
-    mesh = _mesh(world, kw.pop("hsdp", False))
+    kw.pop("checkpoint", None)
+    if kw.pop("tp", False):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        model.blocks = torch.nn.ModuleList([Block(hidden=14) for _ in model.blocks])  # even
+        mesh2 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        for b in model.blocks:
+            parallelize_module(b, mesh2["tp"], plan)
+        mesh = mesh2["dp"]
+    else:
+        mesh = _mesh(world, kw.pop("hsdp", False))
     for b in model.blocks:
         fully_shard(b, mesh=mesh, **kw)
     kw.pop("reshard_after_forward", None)
@@ -91,10 +109,14 @@ class AllReduceProbe:
             self.early += sum(all(compute.get(t, 0) >= n for t, n in d.items()) for d in done)
 
 
-def _train(model: Net, rank: int, world: int, micro: int, steps: int, emu: Any) -> list[int]:
+def _train(
+    model: Net, rank: int, world: int, micro: int, steps: int, emu: Any, tp: bool = False
+) -> list[int]:
     """``steps`` steps; the host synchronisations counted in each (under ``emu``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = batches(steps * micro, world)
+    if tp:  # the two ranks of a TP group read the same batch
+        rank = rank // 2 * 2
     counts = []
     for step in range(steps):
         if step == 1 and emu is not None:
@@ -119,8 +141,12 @@ def run_config(
 ) -> dict[str, Any]:
     """``name`` of ``CONFIGS`` plainly and under the emulation (with ``mutation`` applied)."""
     kw, micro = CONFIGS[name]
+    tp, ckpt = kw.get("tp", False), kw.get("checkpoint", False)
     plain = _build(world, kw)
-    _train(plain, rank, world, micro, steps, None)
+    _train(plain, rank, world, micro, steps, None, tp)
+    if ckpt:
+        plain = _reloaded(plain, world, kw, rank, "plain")
+        _train(plain, rank, world, micro, 1, None, tp)
     expected = {k: v.to_local().detach().clone() for k, v in plain.named_parameters()}
     error, counts, sites, early = None, [], {}, 0
     with MUTATIONS[mutation]() if mutation else contextlib.nullcontext():
@@ -129,7 +155,10 @@ def run_config(
                 probe = emu.owned["probe"] = AllReduceProbe(emu)
                 model = _build(world, kw)
                 with probe.watching():
-                    counts = _train(model, rank, world, micro, steps, emu)
+                    counts = _train(model, rank, world, micro, steps, emu, tp)
+                    if ckpt:
+                        model = _reloaded(model, world, kw, rank, "emulated")
+                        _train(model, rank, world, micro, 1, None, tp)
                 early = probe.early
                 sites = {f"{k} at {s}": n for (k, s), n in emulation.sync_counts().items()}
                 got = {k: v.to_local().detach().clone() for k, v in model.named_parameters()}
@@ -143,6 +172,28 @@ def run_config(
         "last_sites": sites,
         "early_all_reduce_waits": early,
     }
+
+
+def _reloaded(model: Net, world: int, kw: dict[str, Any], rank: int, tag: str) -> Net:
+    """``model``'s weights through a DCP checkpoint, loaded into a freshly sharded model."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    folder = [tempfile.mkdtemp(prefix=f"emulated-{tag}-") if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder[0])
+    fresh = _build(world, kw)
+    state = {"model": get_model_state_dict(fresh)}
+    dcp.load(state, checkpoint_id=folder[0])
+    set_model_state_dict(fresh, state["model"])
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder[0])
+    return fresh
 
 
 def run_configs(rank: int, world: int, runs: list[tuple[str, str | None]]) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """The engine's CUDA path, checked on CPU (issue 17): every configuration under
-``fullshard.testing.cuda_emulation`` at 4 gloo ranks, and each defect the review found put back
-and caught. One launch for all of it (``tests/emulated_programs.py`` runs them in turn).
+``fullshard.testing.cuda_emulation`` at 4 gloo ranks (strategies, bf16, CPU offload, int
+reshard, HSDP, accumulation, FSDP x TP, a DCP checkpoint round trip), and each defect the
+review found put back and caught. One launch for all of it (``tests/emulated_programs.py`` runs
+them in turn).
 
 What each configuration must show: no ``StreamOrderError``; the same bits as the same run
 without the emulation (it only observes); no host synchronisation in a quiet step, except CPU
