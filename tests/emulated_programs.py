@@ -44,6 +44,8 @@ CONFIGS: dict[str, tuple[dict[str, Any], int]] = {
     "cpu_offload_bf16": ({"mp_policy": BF16, "offload_policy": CPUOffloadPolicy()}, 1),
     "accumulation": ({}, 3),
     "hsdp_accumulation": ({"hsdp": True}, 3),
+    # every micro-batch reduced: the shards add into .grad (the reduce outputs are freed early)
+    "hsdp_grad_accumulation": ({"hsdp": True, "sync_each": True}, 2),
     "tensor_parallel": ({"tp": True}, 1),  # FSDP over 2 x TP over 2, the blocks' fc1/fc2
     "checkpoint": ({"checkpoint": True}, 1),  # DCP save, then load into a fresh model and step
 }
@@ -54,6 +56,7 @@ def _build(world: int, kw: dict[str, Any]) -> Net:
     model = Net()
     kw = dict(kw)
     kw.pop("checkpoint", None)
+    kw.pop("sync_each", None)
     if kw.pop("tp", False):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (
@@ -110,7 +113,14 @@ class AllReduceProbe:
 
 
 def _train(
-    model: Net, rank: int, world: int, micro: int, steps: int, emu: Any, tp: bool = False
+    model: Net,
+    rank: int,
+    world: int,
+    micro: int,
+    steps: int,
+    emu: Any,
+    tp: bool = False,
+    sync_each: bool = False,
 ) -> list[int]:
     """``steps`` steps; the host synchronisations counted in each (under ``emu``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -128,7 +138,7 @@ def _train(
             emulation.reset_sync_counts()
         for k in range(micro):
             last = k == micro - 1
-            model.set_requires_gradient_sync(last)
+            model.set_requires_gradient_sync(last or sync_each)
             loss_of(model, data[step * micro + k][rank]).backward()
         opt.step()
         opt.zero_grad()
@@ -141,9 +151,9 @@ def run_config(
 ) -> dict[str, Any]:
     """``name`` of ``CONFIGS`` plainly and under the emulation (with ``mutation`` applied)."""
     kw, micro = CONFIGS[name]
-    tp, ckpt = kw.get("tp", False), kw.get("checkpoint", False)
+    tp, ckpt, each = kw.get("tp", False), kw.get("checkpoint", False), kw.get("sync_each", False)
     plain = _build(world, kw)
-    _train(plain, rank, world, micro, steps, None, tp)
+    _train(plain, rank, world, micro, steps, None, tp, each)
     if ckpt:
         plain = _reloaded(plain, world, kw, rank, "plain")
         _train(plain, rank, world, micro, 1, None, tp)
@@ -155,7 +165,7 @@ def run_config(
                 probe = emu.owned["probe"] = AllReduceProbe(emu)
                 model = _build(world, kw)
                 with probe.watching():
-                    counts = _train(model, rank, world, micro, steps, emu, tp)
+                    counts = _train(model, rank, world, micro, steps, emu, tp, each)
                     if ckpt:
                         model = _reloaded(model, world, kw, rank, "emulated")
                         _train(model, rank, world, micro, 1, None, tp)

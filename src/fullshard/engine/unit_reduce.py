@@ -31,7 +31,9 @@ it); the all-reduce hook, the division, the one cast and (offload) the copy to p
 and ``.grad``, on the last of those streams. Compute then waits twice, as in FSDP2: for the
 reduce-scatter before the packed input it made may be reused (rule 3, at the next unit's
 post-backward), and for the end of every reduction once, at the end of backward, before the
-optimizer reads ``.grad``. On gloo the collectives are waited for on the host, so the finish
+optimizer reads ``.grad``. Under HSDP the reduce-scatter's output (which the all-reduce stream
+uses) is held until that end-of-backward wait, so the reduce stream's next allocation can never
+reuse it while the all-reduce still runs. On gloo the collectives are waited for on the host, so the finish
 (wait, local sum, all-reduce, ``.grad``) is deferred to the next unit's post-backward, where
 the host would block anyway.
 
@@ -105,7 +107,8 @@ class ReduceGrads:
         self.partial_reduce: torch.Tensor | None = None  # HSDP sum kept without all-reduce
         # NOTE [Accumulating without sync]: full gradients kept in the reduce dtype
         self.accumulated: dict[int, torch.Tensor] = {}
-        self._done_events: list[Event | None] = []  # CUDA: reductions the backward waits for
+        # CUDA: reductions the backward waits for, with buffers another stream still uses
+        self._done_events: list[tuple[Event | None, list[torch.Tensor]]] = []
 
     def accumulate_unsynced(self) -> None:
         """NOTE [Accumulating without sync]: after a backward that does not reduce, keep the
@@ -239,7 +242,11 @@ class ReduceGrads:
         side = self.mesh.world_size > 1 or self.comm.replicate_group is not None
         if s.cuda and side:
             s.compute_waits(flight.reduced)  # not the all-reduce: the end of backward waits
-            self._done_events.append(flight.done)
+            # HSDP: the all-reduce stream still uses the reduce-scatter output (and, at one
+            # rank per shard group, the packed input it reduced in place): they are released
+            # only once compute has waited for it, at the end of backward
+            held = [flight.out, flight.full] if self.comm.replicate_group is not None else []
+            self._done_events.append((flight.done, held))
             return
         shard: torch.Tensor | None = flight.out[: layout.shard_numel]
         with s.on(s.reduce if side else None):
@@ -256,9 +263,9 @@ class ReduceGrads:
 
     def end_reduces(self) -> None:
         """End of backward (CUDA): compute waits for every reduction queued this backward."""
-        for event in self._done_events:
+        for event, _ in self._done_events:
             self.streams.compute_waits(event)
-        self._done_events = []
+        self._done_events = []  # and the buffers held for the all-reduce stream go
 
     def _finish_shard(self, shard: torch.Tensor, present: list[bool]) -> None:
         if self.all_reduce_hook is not None:
