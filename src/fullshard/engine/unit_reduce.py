@@ -33,9 +33,9 @@ reduce-scatter before the packed input it made may be reused (rule 3, at the nex
 post-backward), and for the end of every reduction once, at the end of backward, before the
 optimizer reads ``.grad``. Under HSDP the reduce-scatter's output (which the all-reduce stream
 uses) is held until that end-of-backward wait, so the reduce stream's next allocation can never
-reuse it while the all-reduce still runs. On gloo the collectives are waited for on the host, so the finish
-(wait, local sum, all-reduce, ``.grad``) is deferred to the next unit's post-backward, where
-the host would block anyway.
+reuse it while the all-reduce still runs. On gloo the collectives are waited for on the host,
+so the finish (wait, local sum, all-reduce, ``.grad``) is deferred to the next unit's
+post-backward, where the host would block anyway.
 
 NOTE [Dividing the sum]
 The sum over N data-parallel ranks is divided by N once, after the reduction, in the reduce
