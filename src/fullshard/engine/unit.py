@@ -344,7 +344,7 @@ class CommUnit(ReduceGrads):
                 send = self._wire(pos)
                 numel = send.numel() * self.mesh.world_size
             out = comm.gather_buffer(numel, send.dtype, send.device)
-            emulation.name_tensor(out, f"all-gather output of unit '{self.name}'")
+            emulation.name_tensor(out, lambda: f"all-gather output of unit '{self.name}'")
             pending = comm.all_gather(out, send, pos)  # type: ignore[arg-type]
         self.gather_in_flight = GatherInFlight(pending, out, send, pos, pf is not None)
 
@@ -440,7 +440,7 @@ class CommUnit(ReduceGrads):
             pf.layout.pack_shard(fulls, pf.rank, shard)  # type: ignore[arg-type]
         write_static_tag(shard[-TAG_LEN:], self.index)
         self.post_forward_shard = emulation.name_tensor(
-            shard, f"post-forward shard of '{self.name}'"
+            shard, lambda: f"post-forward shard of '{self.name}'"
         )
         self.post_forward_event = self.streams.record_compute()
 

@@ -144,7 +144,7 @@ class ReduceGrads:
             extra = reduce_tag_row(pos, present, bits, device).expand(world, -1).contiguous()
         # packed on the compute stream, where autograd made the gradients (rule 3)
         full = self.grad_layout.pack_for_reduce(grads, dtype=dtype, device=device, extra=extra)
-        emulation.name_tensor(full, f"packed gradients of unit '{self.comm.unit}'")
+        emulation.name_tensor(full, lambda: f"packed gradients of unit '{self.comm.unit}'")
         del grads  # the packed copy is all we need: the full gradients go now
         pre = self._pre_divide_factor()
         if pre != 1:  # NOTE [Dividing the sum]: the gradient columns only; the tags stay exact
@@ -160,7 +160,9 @@ class ReduceGrads:
                 out = full.view(-1)  # HSDP with a one-rank shard group: only the all-reduce
             else:
                 out = self.comm.reduce_buffer(full.shape[1], dtype, device)
-                emulation.name_tensor(out, f"reduce-scatter output of unit '{self.comm.unit}'")
+                emulation.name_tensor(
+                    out, lambda: f"reduce-scatter output of unit '{self.comm.unit}'"
+                )
                 pending = self.comm.reduce_scatter(out, full, pos)  # type: ignore[arg-type]
         flight = ReduceInFlight(pending, out, full, present, pos)
         if s.cuda:
@@ -331,7 +333,9 @@ class ReduceGrads:
         ):
             return shard.to("cpu")  # accumulating on the host (or a hook) needs the values now
         host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
-        emulation.name_tensor(host, f"gradient shard of unit '{self.comm.unit}' (pinned host)")
+        emulation.name_tensor(
+            host, lambda: f"gradient shard of unit '{self.comm.unit}' (pinned host)"
+        )
         host.copy_(shard, non_blocking=True)
         # recorded on the stream doing the copy (the reduce stream, or compute)
         self._offload_event = current_stream(shard.device).record_event()

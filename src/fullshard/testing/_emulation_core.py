@@ -578,29 +578,6 @@ class FunctionMode(TorchFunctionMode):
 _FROM_DATA = (torch.tensor, torch.as_tensor)
 
 
-@contextlib.contextmanager
-def backward_sees(mode: FunctionMode) -> Iterator[None]:
-    """A ``TorchFunctionMode`` is off while its handler runs, so all of ``loss.backward()``
-    (the engine's hooks included) would run unseen; the autograd engine's entry is wrapped to
-    put the mode back for the backward pass itself."""
-    import torch.autograd as autograd
-    import torch.autograd.graph as graph
-
-    original = graph._engine_run_backward
-
-    def run_backward(*args: Any, **kwargs: Any) -> Any:
-        if _EMU is None or torch._C._is_torch_function_mode_enabled():
-            return original(*args, **kwargs)
-        with mode:
-            return original(*args, **kwargs)
-
-    autograd._engine_run_backward = graph._engine_run_backward = run_backward  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        autograd._engine_run_backward = graph._engine_run_backward = original  # type: ignore[attr-defined]
-
-
 def _is_cpu(device: str | torch.device) -> bool:
     try:
         return torch.device(device).type == "cpu"
@@ -613,22 +590,3 @@ _METHODS = {
     for name in ("__bool__", "is_pinned", "record_stream", "pin_memory", "tolist", "numpy")
     + ("cpu", "to")
 }
-
-
-def resize_storage(storage: torch.UntypedStorage, size: int) -> Any:
-    """``UntypedStorage.resize_`` under emulation: a device storage's memory is freed (checked)
-    and allocated anew on the current stream."""
-    emu = _EMU
-    if emu is not None and not emu.paused:
-        emu.raise_pending()
-        found = emu.storages.get(id(storage))
-        if found is None and emu.all_device:
-            found = emu._register(storage, _Storage(DEVICE, HOST, f"{storage.nbytes()} bytes"))
-        if found is not None and found.kind == DEVICE:
-            if storage.nbytes() > 0:
-                emu.check_free(found, f"untyped_storage().resize_({size})")
-            if size > 0:
-                emu.check_reuse(emu.current.tid, f"untyped_storage().resize_({size})")
-            found.write, found.reads, found.recorded = None, {}, set()
-            found.alloc = emu.current.tid
-    return ORIGINAL_RESIZE(storage, size)

@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -250,13 +250,15 @@ def emulated_pinned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def name_tensor(t: torch.Tensor, name: str) -> torch.Tensor:
-    """Name ``t``'s storage in error messages (e.g. ``"unit 3 param weight"``); returns ``t``."""
+def name_tensor(t: torch.Tensor, name: str | Callable[[], str]) -> torch.Tensor:
+    """Name ``t``'s storage in error messages (e.g. ``"unit 3 param weight"``); returns ``t``.
+    ``name`` may be a function, called only under an emulation (hot paths pass a lambda, so
+    the name is never formatted outside one)."""
     emu = core.active()
     if emu is not None:
         found = emu.info(t, create=True)
         if found is not None:
-            found.name = name
+            found.name = name if isinstance(name, str) else name()
     return t
 
 
@@ -297,6 +299,49 @@ def untracked() -> Iterator[None]:
         yield
 
 
+# -- what the emulation patches while it is active ----------------------------------------------
+@contextlib.contextmanager
+def _backward_sees(mode: core.FunctionMode) -> Iterator[None]:
+    """A ``TorchFunctionMode`` is off while its handler runs, so all of ``loss.backward()``
+    (the engine's hooks included) would run unseen; the autograd engine's entry is wrapped to
+    put the mode back for the backward pass itself."""
+    import torch.autograd as autograd
+    import torch.autograd.graph as graph
+
+    original = graph._engine_run_backward
+
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        if core.active() is None or torch._C._is_torch_function_mode_enabled():
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+
+    autograd._engine_run_backward = graph._engine_run_backward = run_backward  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        autograd._engine_run_backward = graph._engine_run_backward = original  # type: ignore[attr-defined]
+
+
+def _resize_storage(storage: torch.UntypedStorage, size: int) -> Any:
+    """``UntypedStorage.resize_`` under emulation: a device storage's memory is freed (checked)
+    and allocated anew on the current stream."""
+    emu = core.active()
+    if emu is not None and not emu.paused:
+        emu.raise_pending()
+        found = emu.storages.get(id(storage))
+        if found is None and emu.all_device:
+            found = emu._register(storage, core._Storage(DEVICE, HOST, f"{storage.nbytes()} bytes"))
+        if found is not None and found.kind == DEVICE:
+            if storage.nbytes() > 0:
+                emu.check_free(found, f"untyped_storage().resize_({size})")
+            if size > 0:
+                emu.check_reuse(emu.current.tid, f"untyped_storage().resize_({size})")
+            found.write, found.reads, found.recorded = None, {}, set()
+            found.alloc = emu.current.tid
+    return core.ORIGINAL_RESIZE(storage, size)
+
+
 @contextlib.contextmanager
 def cuda_emulation(*, all_device: bool = False) -> Iterator[Emulation]:
     """Emulate CUDA streams over CPU tensors in this block (see the module docstring).
@@ -309,9 +354,9 @@ def cuda_emulation(*, all_device: bool = False) -> Iterator[Emulation]:
     emu = Emulation(all_device)
     core.activate(emu)
     reset_sync_counts()
-    torch.UntypedStorage.resize_ = core.resize_storage  # type: ignore[method-assign,assignment]
+    torch.UntypedStorage.resize_ = _resize_storage  # type: ignore[method-assign,assignment]
     try:
-        with core.DispatchMode(emu), core.FunctionMode(emu) as mode, core.backward_sees(mode):
+        with core.DispatchMode(emu), core.FunctionMode(emu) as mode, _backward_sees(mode):
             yield emu
     finally:
         torch.UntypedStorage.resize_ = core.ORIGINAL_RESIZE  # type: ignore[method-assign]
