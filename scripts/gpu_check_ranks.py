@@ -45,7 +45,7 @@ from fullshard import (
 )
 from fullshard.app.models import lm_loss
 from fullshard.checkpoint import CheckpointManager
-from fullshard.dist import control
+from fullshard.comm import control
 from fullshard.policies import STRATEGY_NAMES
 
 STRATEGIES = STRATEGY_NAMES

@@ -371,7 +371,7 @@ def _collective_path(device: torch.device) -> str:
     """How the engine orders a collective on ``device`` over the default group: "stream"
     (NCCL's: the stream waits), "host" (gloo's: the host waits) or "unknown"."""
     try:
-        from fullshard.dist import collectives
+        from fullshard.comm import collectives
 
         probe = collectives._host_wait
     except (ImportError, AttributeError):
@@ -452,7 +452,7 @@ def fake_verdicts(
     steps_ok = steps_ok and traced and path != "host"
     paths = {
         "stream": "collectives ordered by stream (NCCL's path)",
-        "host": "collectives waited on the host: gloo's path, not NCCL's (fullshard.dist."
+        "host": "collectives waited on the host: gloo's path, not NCCL's (fullshard.comm."
         "collectives._host_wait orders only NCCL by stream)",
         "unknown": "the collectives' path not found",
     }

@@ -89,7 +89,7 @@ class AllReduceProbe:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        from fullshard.dist.collectives import Comm
+        from fullshard.comm.collectives import Comm
 
         issue = Comm.all_reduce_replicas
 
@@ -290,7 +290,7 @@ def _defect3() -> contextlib.AbstractContextManager[None]:
 
 def _defect6() -> contextlib.AbstractContextManager[None]:
     """Verdicts read with event.synchronize() whenever more than one is pending."""
-    from fullshard.dist import desync
+    from fullshard.comm import desync
 
     def poll(self: Any, block: bool = False) -> None:
         while self._pending:

@@ -1,6 +1,6 @@
 """NOTE [Device discipline]: one helper decides a group's device, and nobody else talks to c10d.
 
-- a source guard: outside ``fullshard.dist`` no code calls a ``torch.distributed`` collective;
+- a source guard: outside ``fullshard.comm`` no code calls a ``torch.distributed`` collective;
 - the control-plane helpers make their tensors on ``comm_device(group)`` (checked with a fake
   device, so the test means something on a machine without a GPU) and work on real gloo ranks;
 - a CPU tensor meant for NCCL is a clear error that says what to do;
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 
-from fullshard.dist import control, device
+from fullshard.comm import control, device
 from fullshard.policies import FullshardError
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "fullshard"
@@ -57,7 +57,7 @@ COLLECTIVES = frozenset(
     }
 )
 
-# Files outside fullshard.dist that may still call c10d directly, each with its reason: none.
+# Files outside fullshard.comm that may still call c10d directly, each with its reason: none.
 ALLOWED: set[str] = set()
 
 
@@ -141,16 +141,16 @@ new_group([0, 1])
     ]
 
 
-def test_no_collective_outside_fullshard_dist() -> None:
+def test_no_collective_outside_fullshard_comm() -> None:
     offenders = []
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC).as_posix()
-        if rel.startswith("dist/") or rel in ALLOWED:
+        if rel.startswith("comm/") or rel in ALLOWED:
             continue
         for line, name in collective_calls(path.read_text(encoding="utf-8")):
             offenders.append(f"src/fullshard/{rel}:{line}: torch.distributed.{name}")
     assert not offenders, (
-        "collectives outside fullshard.dist (use fullshard.dist.control, which puts every "
+        "collectives outside fullshard.comm (use fullshard.comm.control, which puts every "
         "tensor on comm_device(group)):\n" + "\n".join(offenders)
     )
     # the allow-list only names files that still need it

@@ -10,7 +10,7 @@ from toy import ToyLM, batches, loss_of, shard_toy
 
 import fullshard
 from fullshard import FSDPModule
-from fullshard.dist.desync import TAG_BITS, TAG_LEN
+from fullshard.comm.desync import TAG_BITS, TAG_LEN
 
 
 def _padded_numel(shapes: list[torch.Size], world: int) -> int:

@@ -85,7 +85,7 @@ def test_ignored_params_are_left_alone() -> None:
 
 
 def _reshard_to_pairs(rank: int, world: int) -> dict:
-    import fullshard.dist.collectives as coll
+    import fullshard.comm.collectives as coll
 
     sizes: list[tuple[str, int]] = []
     original = coll._all_gather_single

@@ -321,8 +321,8 @@ def _tagged_reduce(rank: int, world: int, how: str, dtype: torch.dtype, sums: bo
     the summed columns (NCCL's path, here through gloo's own reduce-scatter)."""
     from datetime import timedelta
 
-    from fullshard.dist.collectives import reduce_scatter
-    from fullshard.dist.desync import Position, Verdict, reduce_tag_row
+    from fullshard.comm.collectives import reduce_scatter
+    from fullshard.comm.desync import Position, Verdict, reduce_tag_row
 
     index = 2 if how == "units" and rank == world - 1 else 1  # blocks.1 / blocks.2
     present = [True, rank != 0] if how == "presence" else [True, True]

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from toy import ToyLM, batches, loss_of, shard_toy
 
 from fullshard import step_schedule
-from fullshard.dist.desync import TAG_LEN
+from fullshard.comm.desync import TAG_LEN
 from fullshard.observe.memory import MemoryTracker, profiler_live_peak
 from fullshard.observe.plot import draw_timeline
 from fullshard.observe.timeline import Recorder, chrome_trace, exposed_seconds

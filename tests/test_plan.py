@@ -14,7 +14,7 @@ import torch
 from fullshard.app.cli import main
 from fullshard.app.models import build_model, count_params, lm_loss, unit_types_of
 from fullshard.app.plan_cli import make_plan, plan_builtin
-from fullshard.dist.desync import TAG_LEN
+from fullshard.comm.desync import TAG_LEN
 from fullshard.engine.sharding import hybrid_shard_size
 from fullshard.plan import (
     PlanConfig,

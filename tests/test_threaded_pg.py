@@ -2,7 +2,7 @@
 
 Its work objects take no timeout (``FutureWrappingWork::wait() with finite timeout not
 implemented``), so fullshard's bounded wait must fall back to a plain wait there
-(``fullshard.dist.desync.timed_wait``). Two ranks as two threads of this process, under both
+(``fullshard.comm.desync.timed_wait``). Two ranks as two threads of this process, under both
 imports, each against one process in float64.
 """
 

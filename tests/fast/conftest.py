@@ -1,7 +1,7 @@
 """The single-process layer: one process plays rank r of N over torch's fake process group.
 
 Collectives move no data there (NOTE [Backends that move no data] in
-``fullshard/dist/desync.py``), so these tests check *when* the engine gathers, frees and
+``fullshard/comm/desync.py``), so these tests check *when* the engine gathers, frees and
 reduces, not the numbers: schedule, prefetch, the gathered window and the hooks, in
 milliseconds. Numbers are the parity layer's job (the multi-process tests).
 """

@@ -23,7 +23,7 @@ from commcount import C10dCounter
 from torch import nn
 
 import fullshard
-from fullshard.dist.desync import PHASES, TAG_BITS, TAG_LEN, TAG_MAGIC
+from fullshard.comm.desync import PHASES, TAG_BITS, TAG_LEN, TAG_MAGIC
 
 GATHER, REDUCE = "all_gather", "reduce_scatter"
 GATHER_OPS = ("_allgather_base_",)

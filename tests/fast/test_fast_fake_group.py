@@ -1,5 +1,5 @@
 """What makes this layer possible: the engine runs over torch's fake process group, where it skips
-its desync verdict (NOTE [Backends that move no data] in ``fullshard/dist/desync.py``), and
+its desync verdict (NOTE [Backends that move no data] in ``fullshard/comm/desync.py``), and
 only there: a backend that moves data is checked as before."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fullshard.dist.desync import TAG_LEN, DesyncError, Position, Verdict, moves_data
+from fullshard.comm.desync import TAG_LEN, DesyncError, Position, Verdict, moves_data
 
 pytestmark = pytest.mark.fast
 

@@ -70,7 +70,7 @@ from fullshard.app.launch import (
     under_torchrun,
 )
 from fullshard.app.models import MODEL_SIZES
-from fullshard.dist import control
+from fullshard.comm import control
 
 __all__ = [
     "FULLSHARD_VARIANTS",

@@ -23,7 +23,7 @@ from fullshard import get_state_dict, set_state_dict
 from fullshard.app.data import RankBatches
 from fullshard.checkpoint import CheckpointManager, latest_checkpoint
 from fullshard.checkpoint.store import MANIFEST
-from fullshard.dist import control
+from fullshard.comm import control
 
 __all__ = ["RunState", "TrainCheckpoints"]
 

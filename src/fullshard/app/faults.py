@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fullshard.dist import control
+from fullshard.comm import control
 from fullshard.policies import FullshardError
 
 __all__ = ["Fault", "NonFiniteError", "agree_step", "fault_from_env"]

@@ -28,8 +28,8 @@ from torch.distributed.rendezvous import rendezvous
 
 from fullshard.app.config import ConfigError
 from fullshard.app.preempt import MARKER_ENV, PREEMPTED_EXIT, ForwardSignals, read_marker
-from fullshard.dist import control
-from fullshard.dist.device import cuda_usable
+from fullshard.comm import control
+from fullshard.comm.device import cuda_usable
 
 __all__ = [
     "BACKENDS",
@@ -285,7 +285,7 @@ def init_distributed(device_pref: str, timeout_s: float, backend: str = "auto") 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device, backend = rank_device(device_pref, backend, local_rank, _local_world_size(world_size))
     # fullshard's own bounded waits (engine and control) get the same bound as the process
-    # group, unless the user set one (fullshard.dist.mesh.default_timeout reads it)
+    # group, unless the user set one (fullshard.comm.mesh.default_timeout reads it)
     os.environ.setdefault("FULLSHARD_TIMEOUT_S", str(timeout_s))
     if device.type == "cuda":
         torch.cuda.set_device(device)

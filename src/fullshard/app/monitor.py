@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fullshard.dist import control
+from fullshard.comm import control
 from fullshard.observe.rss import rss_bytes  # the one resident-set reader
 
 __all__ = [

@@ -22,7 +22,7 @@ from fullshard.app.launch import rank_session, resolve_backend
 from fullshard.app.models import build_model, lm_loss, unit_types_of
 from fullshard.app.plan_cli import plan_builtin
 from fullshard.app.wrap import shard_model
-from fullshard.dist import control
+from fullshard.comm import control
 from fullshard.observe.memory import MemoryTracker
 from fullshard.observe.rss import rss_bytes
 from fullshard.plan import PlanConfig

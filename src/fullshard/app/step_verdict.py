@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fullshard.dist.device import new_event
+from fullshard.comm.device import new_event
 
 __all__ = [
     "DeviceSchedule",

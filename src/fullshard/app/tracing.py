@@ -27,7 +27,7 @@ from fullshard import step_schedule
 from fullshard.app.launch import add_device_arguments, rank_session
 from fullshard.app.models import build_model, count_params, lm_loss, unit_types_of
 from fullshard.app.wrap import shard_model
-from fullshard.dist import control
+from fullshard.comm import control
 from fullshard.observe.memory import MemoryTracker
 from fullshard.observe.plot import draw_timeline
 from fullshard.observe.timeline import (

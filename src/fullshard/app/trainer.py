@@ -63,8 +63,8 @@ from fullshard.app.step_verdict import (
     cosine_multiplier,
     fused_adamw_available,
 )
-from fullshard.dist import control
-from fullshard.dist.device import cuda_semantics
+from fullshard.comm import control
+from fullshard.comm.device import cuda_semantics
 from fullshard.testing import emulation
 
 __all__ = ["log_line", "lr_lambda", "param_groups", "progress_bar", "to_device", "train"]

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from fullshard.dist.collectives import all_gather
+from fullshard.comm.collectives import all_gather
 from fullshard.engine.sharding import units
 from fullshard.engine.shards import ShardGroup
 from fullshard.engine.unit import CommUnit

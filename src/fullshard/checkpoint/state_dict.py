@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fullshard.dist.control import broadcast_tensor
+from fullshard.comm.control import broadcast_tensor
 from fullshard.engine.param import as_dtensor
 from fullshard.engine.sharding import units
 from fullshard.engine.unit import CommUnit

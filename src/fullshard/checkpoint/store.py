@@ -36,8 +36,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from fullshard.dist import control
-from fullshard.dist.mesh import default_timeout
+from fullshard.comm import control
+from fullshard.comm.mesh import default_timeout
 from fullshard.policies import FullshardError
 
 MANIFEST = "manifest.json"

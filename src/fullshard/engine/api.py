@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fullshard.dist.mesh import MeshInfo, mesh_info
+from fullshard.comm.mesh import MeshInfo, mesh_info
 from fullshard.engine.collect import (
     check_ignored,
     check_modules,

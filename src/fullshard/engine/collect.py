@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fullshard.dist.mesh import MeshInfo
+from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.extension import extension_problem, is_tensor_subclass
 from fullshard.engine.param import TPSpec, local_of
 from fullshard.policies import FullshardError

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fullshard.dist.control import all_gather_objects
-from fullshard.dist.mesh import MeshInfo
+from fullshard.comm.control import all_gather_objects
+from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.extension import is_tensor_subclass
 from fullshard.engine.param import local_of
 from fullshard.policies import FullshardError

@@ -49,9 +49,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parameter import is_lazy
 
-from fullshard.dist.control import all_gather_objects
-from fullshard.dist.desync import TAG_LEN, UNREGISTERED, write_static_tag
-from fullshard.dist.mesh import MeshInfo
+from fullshard.comm.control import all_gather_objects
+from fullshard.comm.desync import TAG_LEN, UNREGISTERED, write_static_tag
+from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.param import GatheredStorage, ShardedParam
 from fullshard.engine.shards import GROUP_ALIGN_BYTES, ShardGroup
 from fullshard.policies import FullshardError, MixedPrecisionPolicy

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from fullshard.dist.collectives import all_reduce
-from fullshard.dist.mesh import default_timeout
+from fullshard.comm.collectives import all_reduce
+from fullshard.comm.mesh import default_timeout
 from fullshard.engine.param import local_of
 
 _Key = tuple[dist.ProcessGroup, "dist.ProcessGroup | None"]

@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fullshard.dist.mesh import compute_device
+from fullshard.comm.mesh import compute_device
 from fullshard.engine.api import FSDPModule, fully_shard
 from fullshard.engine.sharding import ShardingPlan, as_strategy, plan_sharding
 from fullshard.policies import FullshardError, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
@@ -30,7 +30,7 @@ from fullshard.policies import FullshardError, MixedPrecisionPolicy, OffloadPoli
 
 def mesh_device_type(model: nn.Module | None) -> str:
     """The device type of a mesh built for ``model``: the device ``fully_shard`` would pick
-    for it without a mesh (``fullshard.dist.mesh.compute_device``)."""
+    for it without a mesh (``fullshard.comm.mesh.compute_device``)."""
     p = next(model.parameters(), None) if model is not None else None
     hint = p.device if p is not None and not p.is_meta else None
     group = dist.group.WORLD

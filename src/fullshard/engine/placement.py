@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fullshard.dist.mesh import MeshInfo
+from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.extension import has_extension_hooks
 from fullshard.engine.param import local_of
 from fullshard.policies import FullshardError

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from torch.autograd import Variable
 
-from fullshard.dist.collectives import CommStats
-from fullshard.dist.desync import Verdict
+from fullshard.comm.collectives import CommStats
+from fullshard.comm.desync import Verdict
 from fullshard.engine.prefetch import Prefetcher
 from fullshard.engine.unit import CommUnit
 

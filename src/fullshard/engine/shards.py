@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from fullshard.dist.desync import UNREGISTERED, write_static_tag
-from fullshard.dist.mesh import MeshInfo
+from fullshard.comm.desync import UNREGISTERED, write_static_tag
+from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.param import GatheredStorage, ShardedParam
 from fullshard.policies import FullshardError
 from fullshard.shard.layout import FlatLayout

@@ -1,5 +1,5 @@
 """CUDA streams and events for one root's collectives (layer 6). On CPU every call is a no-op,
-except under the CUDA emulation (NOTE [The CUDA path on CPU] in ``dist/device.py``).
+except under the CUDA emulation (NOTE [The CUDA path on CPU] in ``comm/device.py``).
 
 NOTE [Streams and buffer lifetimes]
 Compute runs on the current stream. All-gathers (with their copy-in: the cast to
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from fullshard.dist.device import cuda_semantics, current_stream, new_stream, use_stream
+from fullshard.comm.device import cuda_semantics, current_stream, new_stream, use_stream
 from fullshard.testing import emulation
 
 # torch.cuda.Event, or the emulation's VirtualEvent (NOTE [The CUDA path on CPU])

@@ -2,7 +2,7 @@
 lifecycle in one object, as FSDP2's ``FSDPParamGroup``: unshard (issue the all-gather), wait
 (copy out, show the gathered parameters), reshard (free), and reduce gradients (reduce-scatter
 and accumulate into ``.grad``; those methods are in ``unit_reduce.py``). The collectives
-themselves are pure functions over tensors (``fullshard.dist.collectives``), reached through the
+themselves are pure functions over tensors (``fullshard.comm.collectives``), reached through the
 unit's bound ``Comm``; which stream runs what is NOTE [Streams and buffer lifetimes].
 
 NOTE [Unit states]
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fullshard.dist.collectives import Comm, CommStats, Pending
-from fullshard.dist.desync import (
+from fullshard.comm.collectives import Comm, CommStats, Pending
+from fullshard.comm.desync import (
     TAG_LEN,
     UNREGISTERED,
     Position,
@@ -46,8 +46,8 @@ from fullshard.dist.desync import (
     write_dynamic_tag,
     write_static_tag,
 )
-from fullshard.dist.device import cuda_semantics
-from fullshard.dist.mesh import MeshInfo
+from fullshard.comm.device import cuda_semantics
+from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.extension import ExtensionGroup, has_extension_hooks
 from fullshard.engine.param import GatheredStorage, ShardedParam
 from fullshard.engine.shards import ShardGroup

@@ -54,14 +54,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fullshard.dist.desync import TAG_BITS, Position, reduce_tag_row
-from fullshard.dist.device import current_stream, use_stream
+from fullshard.comm.desync import TAG_BITS, Position, reduce_tag_row
+from fullshard.comm.device import current_stream, use_stream
 from fullshard.testing import emulation
 
 if TYPE_CHECKING:
-    from fullshard.dist.collectives import Comm, Pending
-    from fullshard.dist.desync import Verdict
-    from fullshard.dist.mesh import MeshInfo
+    from fullshard.comm.collectives import Comm, Pending
+    from fullshard.comm.desync import Verdict
+    from fullshard.comm.mesh import MeshInfo
     from fullshard.engine.param import ShardedParam
     from fullshard.engine.streams import Event, Streams
     from fullshard.shard.layout import FlatLayout

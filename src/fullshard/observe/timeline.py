@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fullshard.dist.control import all_gather_objects
+from fullshard.comm.control import all_gather_objects
 from fullshard.engine.schedule import Point, StepSchedule
 from fullshard.engine.sharding import step_schedule, subscribe
 from fullshard.engine.unit import CommUnit

@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from fullshard.dist.desync import TAG_LEN
+from fullshard.comm.desync import TAG_LEN
 from fullshard.engine.sharding import UnitPlan, plan_sharding
 from fullshard.plan.accounting import (
     DTYPE_BYTES,

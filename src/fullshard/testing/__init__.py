@@ -3,7 +3,7 @@ may use them).
 
 ``fullshard.testing.cuda_emulation()`` runs code written for CUDA streams on CPU tensors and
 checks CUDA's ordering rules, and counts host synchronisations (``emulation.py``). Under it
-the engine takes its CUDA path (NOTE [The CUDA path on CPU] in ``dist/device.py``);
+the engine takes its CUDA path (NOTE [The CUDA path on CPU] in ``comm/device.py``);
 ``FULLSHARD_CUDA_EMULATION=1`` does the same for ``fullshard train``.
 """
 

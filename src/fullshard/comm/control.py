@@ -1,6 +1,6 @@
 """Control-plane collectives (layer 4): barriers, votes, metrics and small objects.
 
-Everything outside ``fullshard.dist`` that needs the other ranks (the trainer's loss and NaN
+Everything outside ``fullshard.comm`` that needs the other ranks (the trainer's loss and NaN
 vote, checkpoint barriers and agreement, bench and trace bookkeeping) calls these, never
 ``torch.distributed`` directly, so every tensor is made on ``comm_device(group)`` (NOTE [Device
 discipline]) and every wait is bounded: by a timeout on gloo, by the process group's own timeout
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullshard.dist.collectives import all_gather, all_reduce, broadcast
-from fullshard.dist.device import accepted_devices, comm_device
-from fullshard.dist.mesh import default_timeout
+from fullshard.comm.collectives import all_gather, all_reduce, broadcast
+from fullshard.comm.device import accepted_devices, comm_device
+from fullshard.comm.mesh import default_timeout
 
 __all__ = [
     "all_gather_objects",
@@ -52,7 +52,10 @@ def _timeout(timeout: timedelta | None) -> timedelta:
 
 
 def barrier(
-    group: dist.ProcessGroup | None = None, *, what: str = "barrier", timeout: timedelta | None = None
+    group: dist.ProcessGroup | None = None,
+    *,
+    what: str = "barrier",
+    timeout: timedelta | None = None,
 ) -> None:
     """Every rank of ``group`` reaches this point (a one-element all-reduce on its device).
 

@@ -13,8 +13,8 @@ So:
 - every collective fullshard issues passes ``check_tensor`` first, which turns a wrong device
   into an error that names the collective and the fix, on the rank that made the mistake.
 
-Outside ``fullshard.dist`` no code calls a ``torch.distributed`` collective directly
-(``tests/test_device.py`` checks the source): the helpers in ``fullshard.dist.control`` do it.
+Outside ``fullshard.comm`` no code calls a ``torch.distributed`` collective directly
+(``tests/test_device.py`` checks the source): the helpers in ``fullshard.comm.control`` do it.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullshard.dist.device import cuda_semantics, new_event
+from fullshard.comm.device import cuda_semantics, new_event
 from fullshard.policies import FullshardError
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -277,10 +277,7 @@ class Verdict:
         flags, ordered = [], []
         for (kind, _, me, world), members in groups.items():
             t = torch.stack([m.tensor for m in members])
-            if kind == "sums":
-                bad = (t != 0) & (t != world)
-            else:
-                bad = t != t[:, me : me + 1]
+            bad = (t != 0) & (t != world) if kind == "sums" else t != t[:, me : me + 1]
             flags.append(bad.flatten(1).any(1))
             ordered += members
         flag = torch.cat(flags)
@@ -327,13 +324,19 @@ class Verdict:
         ranks = _ranks(item.group, world)
         if item.kind == "gather":
             rows = [[int(v) for v in r] for r in t.tolist()]
-            lines = [f"rank {r}: {_describe(row, self.names)}" for r, row in zip(ranks, rows)]
+            lines = [
+                f"rank {r}: {_describe(row, self.names)}"
+                for r, row in zip(ranks, rows, strict=True)
+            ]
             raise _mispaired(item.pos, lines, late)
         holders: list[list[int]] = [[] for _ in range(k)]
         if item.kind == "rows":
             tags = [_bits_to_bytes(r[k:]) for r in t.tolist()]
             if any(row != tags[item.me] for row in tags):
-                lines = [f"rank {r}: {_describe(row, self.names)}" for r, row in zip(ranks, tags)]
+                lines = [
+                    f"rank {r}: {_describe(row, self.names)}"
+                    for r, row in zip(ranks, tags, strict=True)
+                ]
                 raise _mispaired(item.pos, lines, late)
             holders = [[ranks[i] for i in range(world) if t[i, j] > 0] for j in range(k)]
             counts = [len(h) for h in holders]
@@ -353,7 +356,11 @@ class Verdict:
             f"produced a gradient where others did not: {shown}. Every rank's backward must "
             "reach the same parameters of a unit, as in torch FSDP2: use every parameter on "
             "every rank (e.g. add 0 * p.sum() for a branch this rank skipped), or freeze it."
-            + (" This step's gradients were used: restart from the last checkpoint." if late else "")
+            + (
+                " This step's gradients were used: restart from the last checkpoint."
+                if late
+                else ""
+            )
         )
 
 

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from fullshard.dist.device import accepted_devices, check_device
+from fullshard.comm.device import accepted_devices, check_device
 from fullshard.policies import FullshardError
 
 DEFAULT_TIMEOUT_S = 600.0

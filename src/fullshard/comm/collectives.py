@@ -26,7 +26,7 @@ from typing import Any, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from fullshard.dist.desync import (
+from fullshard.comm.desync import (
     DesyncError,
     Position,
     debug_enabled,
@@ -34,7 +34,7 @@ from fullshard.dist.desync import (
     fingerprint_check,
     timed_wait,
 )
-from fullshard.dist.device import check_tensor
+from fullshard.comm.device import check_tensor
 from fullshard.testing import emulation
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.4 has only those.
@@ -176,7 +176,9 @@ class Pending:
         if ok is False:
             self._fail(f"did not finish within {self._timeout.total_seconds():.0f}s")
         if timeline is not None and self._stats is not None:
-            timeline.record("wait " + self.what.split(" ")[0], "exposed", self._unit, t0, time.perf_counter())
+            timeline.record(
+                "wait " + self.what.split(" ")[0], "exposed", self._unit, t0, time.perf_counter()
+            )
             self._stats.poll(done=work)
 
     def _fail(self, how: str) -> NoReturn:
@@ -226,7 +228,10 @@ def _issue(
         except RuntimeError:  # gloo: "Work::getFuture not implemented" for these collectives
             stats.open_comm.append((work, kind, unit, t0, nbytes))
     if emulation.is_active():
-        ins, outs = reads if reads is not None else [tensor], writes if writes is not None else [tensor]
+        ins, outs = (
+            reads if reads is not None else [tensor],
+            writes if writes is not None else [tensor],
+        )
         work = emulation.emulated_collective(outs, ins, name=what, work=work)  # type: ignore[assignment]
     return Pending(work, what, timeout, stats, unit, position, group, _host_wait(tensor, group))
 
