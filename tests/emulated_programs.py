@@ -224,7 +224,7 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 def _defect1() -> contextlib.AbstractContextManager[None]:
     """Offloaded gradients cast on the host from the pinned buffer the GPU is still writing."""
-    from fullshard.engine import unit_reduce
+    from fullshard.engine.unit import CommUnit
 
     def set_grads(self: Any, shard: torch.Tensor, present: list[bool]) -> None:
         factor = self.divide_factor or self.mesh.data_parallel_size
@@ -237,7 +237,7 @@ def _defect1() -> contextlib.AbstractContextManager[None]:
                 g = self.grad_layout.shard_view(shard, j, self.mesh.rank)
                 p.add_grad(g.to(p.sharded.dtype) if g.dtype != p.sharded.dtype else g)
 
-    return _patched(unit_reduce.ReduceGrads, "_set_grads", set_grads)
+    return _patched(CommUnit, "_set_grads", set_grads)
 
 
 def _defect2_sync() -> contextlib.AbstractContextManager[None]:
@@ -261,9 +261,9 @@ def _defect2_event() -> contextlib.AbstractContextManager[None]:
 def _defect3() -> contextlib.AbstractContextManager[None]:
     """HSDP: the replica all-reduce issued at the next unit's post-backward, compute waiting
     for it there (the host-wait path's order, taken on CUDA)."""
-    from fullshard.engine import unit_reduce
+    from fullshard.engine.unit import CommUnit
 
-    original = unit_reduce.ReduceGrads.reduce_grads
+    original = CommUnit.reduce_grads
 
     def reduce_grads(self: Any) -> None:
         cuda = self.streams.cuda
@@ -281,10 +281,10 @@ def _defect3() -> contextlib.AbstractContextManager[None]:
         finally:
             self.streams.cuda = cuda
 
-    finish = unit_reduce.ReduceGrads.finish_reduce
+    finish = CommUnit.finish_reduce
     stack = contextlib.ExitStack()
-    stack.enter_context(_patched(unit_reduce.ReduceGrads, "reduce_grads", reduce_grads))
-    stack.enter_context(_patched(unit_reduce.ReduceGrads, "finish_reduce", finish_reduce))
+    stack.enter_context(_patched(CommUnit, "reduce_grads", reduce_grads))
+    stack.enter_context(_patched(CommUnit, "finish_reduce", finish_reduce))
     return stack
 
 

@@ -226,18 +226,23 @@ def test_errors_say_what_and_where_on_every_rank() -> None:
 
 
 def _local_steps(rank: int, world: int) -> dict:
-    from fullshard.engine.local_step import LOCAL_STEPS
-
     class MyAdamW(torch.optim.AdamW):  # not in the elementwise list: steps over DTensors
         pass
 
     torch.set_default_dtype(torch.float64)
     out = {}
-    for name, cls, hook in (("local", torch.optim.AdamW, True), ("dtensor", MyAdamW, True)):
+    for name, cls in (("local", torch.optim.AdamW), ("dtensor", MyAdamW)):
         torch.manual_seed(0)
         model = shard_toy(ToyLM())
         opt = cls(model.parameters(), lr=1e-2)
-        LOCAL_STEPS.enabled = hook
+        seen: list[bool] = []  # per step: did the step itself see DTensor parameters?
+
+        def look(o: torch.optim.Optimizer, *_: object, seen: list[bool] = seen) -> None:
+            # a per-optimizer pre-hook runs after the global one that swaps in local shards
+            ps = [p for g in o.param_groups for p in g["params"]]
+            seen.append(all(isinstance(p, DTensor) for p in ps))
+
+        opt.register_step_pre_hook(look)
         for step in range(2):
             loss_of(model, batches(2, world)[step][rank]).backward()
             opt.step()
@@ -250,6 +255,7 @@ def _local_steps(rank: int, world: int) -> dict:
             ),
             "state_keys_are_params": all(any(k is p for p in params) for k in opt.state),
             "states_dtensor": all(isinstance(s["exp_avg"], DTensor) for s in states),
+            "stepped_dtensors": seen,
             "full": full_params(model),
         }
     same = all(torch.equal(out["local"]["full"][k], v) for k, v in out["dtensor"]["full"].items())
@@ -267,3 +273,6 @@ def test_elementwise_optimizers_step_local_shards_and_leave_dtensors_behind() ->
             r = res[name]
             assert r["params_are_model_dtensors"] and r["state_keys_are_params"], (name, r)
             assert r["states_dtensor"], (name, r)
+        # the elementwise AdamW stepped over plain local shards, the subclass over DTensors
+        assert res["local"]["stepped_dtensors"] == [False, False], res
+        assert res["dtensor"]["stepped_dtensors"] == [True, True], res

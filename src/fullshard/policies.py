@@ -89,5 +89,25 @@ MEMORY_CATEGORIES = (
     "activations",  # tensors autograd saved for backward
     "comm_buffers",  # all-gather outputs and reduce-scatter inputs/outputs in flight
 )
-# The passes a step's peaks are reported for, in order.
-STEP_PHASES = ("forward", "backward", "optimizer")
+
+
+class Phase(enum.Enum):
+    """What a rank is doing in a step: the one vocabulary of the engine's gathers and
+    prefetches, the schedule's points, the collective positions (desync tags), the memory
+    tracker and the planner (FSDP2's ``TrainingState``)."""
+
+    # A unit's forward: its gather, a forward prefetch, the points up to its free.
+    FORWARD = "forward"
+    # A unit's backward: its gather again (also for activation recomputation), a backward
+    # prefetch, its reduce-scatter.
+    BACKWARD = "backward"
+    # The optimizer step (memory is sampled around it; no collective of the engine runs).
+    OPTIMIZER = "optimizer"
+    # Outside a step's forward and backward: ``FSDPModule.unshard()``, the root's lazy init, a
+    # ``reshard()`` that must land a gather first.
+    IDLE = "idle"
+
+
+# The passes a step's peaks are reported for, in order (keys of the tracker's and planner's
+# per-phase tables).
+STEP_PHASES = tuple(p.value for p in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER))

@@ -23,7 +23,7 @@ from commcount import C10dCounter
 from torch import nn
 
 import fullshard
-from fullshard.comm.desync import PHASES, TAG_BITS, TAG_LEN, TAG_MAGIC
+from fullshard.comm.desync import PHASE_LABELS, TAG_BITS, TAG_LEN, TAG_MAGIC
 
 GATHER, REDUCE = "all_gather", "reduce_scatter"
 GATHER_OPS = ("_allgather_base_",)
@@ -95,7 +95,7 @@ class StepRecorder(C10dCounter):
 def _gather_tag(send: torch.Tensor) -> tuple[int, str]:
     tag = [int(v) for v in send[-TAG_LEN:].tolist()]
     assert tag[0] == TAG_MAGIC, f"an all-gather without a fullshard tag: {tag}"
-    return tag[1] * 256 + tag[2], PHASES[tag[3]]
+    return tag[1] * 256 + tag[2], PHASE_LABELS[tag[3]]
 
 
 def _reduce_tag(full: torch.Tensor) -> int:

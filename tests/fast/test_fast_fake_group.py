@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.comm.desync import TAG_LEN, DesyncError, Position, Verdict, moves_data
+from fullshard.policies import Phase
 
 pytestmark = pytest.mark.fast
 
@@ -19,13 +20,13 @@ def _mispaired_gather(verdict: Verdict) -> None:
     """Two ranks' all-gather tags that disagree (the second rank ran another unit)."""
     rows = torch.tensor([[0xA5, 0, 1, 1, 7], [0xA5, 0, 2, 1, 7]], dtype=torch.float32)
     assert rows.shape[1] == TAG_LEN
-    pos = Position(7, 0, "all_gather", "blocks.0", "forward gather", 1)
+    pos = Position(7, 0, "all_gather", "blocks.0", Phase.FORWARD, 1)
     verdict.gather(rows, 0, pos, None)
 
 
 def _bad_sums(verdict: Verdict, world: int) -> None:
     """Summed reduce-scatter columns that are neither 0 nor the world size."""
-    pos = Position(9, 0, "reduce_scatter", "blocks.0", "reduce-scatter", 1)
+    pos = Position(9, 0, "reduce_scatter", "blocks.0", Phase.BACKWARD, 1)
     verdict.reduce_sums(torch.ones(3), world, pos, None, ["w"])
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from recorder import REDUCE, StepRecorder, index_of, kinds, toy_steps
 from torch import nn
-from toy import DIM, Block, ToyLM, shard_toy
+from toy import DIM, VOCAB, Block, ToyLM, shard_toy
 
 import fullshard
 from fullshard import fully_shard
@@ -139,3 +139,29 @@ def test_backward_with_inputs_ends_every_unit_and_leaves_parameters_alone(
         assert x.grad is not None
     assert all(p.grad is None for p in model.parameters())
     assert not any(v.unit.gathered for v in fullshard.units(model))
+
+
+def test_reshard_after_forward_is_one_value_per_unit_decided_at_fully_shard(
+    fake_pg: tuple,
+) -> None:
+    model = ToyLM()
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, reshard_after_forward=False if i == 1 else None)
+    fully_shard(model)
+    unit = {v.name: v.unit for v in fullshard.units(model)}
+    # sharding the parent settled its children's default; the root's waits for its lazy init
+    assert [unit[f"blocks.{i}"].reshard_after_forward for i in range(3)] == [True, False, True]
+    assert unit[""].reshard_after_forward is None
+    idx = torch.randint(0, VOCAB, (2, 8))
+
+    def gathered_after_forward() -> set[str]:
+        loss = model(idx).sum()
+        kept = {name for name, u in unit.items() if u.gathered}
+        loss.backward()
+        return kept
+
+    # the root keeps its parameters for backward (FSDP2's default), as does the block asked to
+    assert gathered_after_forward() == {"", "blocks.1"}
+    assert unit[""].reshard_after_forward is False
+    model.blocks[2].set_reshard_after_forward(False)  # changes that one value, nothing else
+    assert gathered_after_forward() == {"", "blocks.1", "blocks.2"}

@@ -240,13 +240,13 @@ def test_planner_and_memory_tracker_count_shard_k_bytes(fake_pg: tuple[int, int]
     planned = model_units(plain, [Block], world, shard_dims=dims)
     model = shard_net(copy.deepcopy(plain))
     engine = [v.unit for v in fullshard.units(model)]  # root first, as the planner
-    assert [u.shard_numel for u in planned] == [u.layout.shard_numel for u in engine]
+    assert [u.shard_numel for u in planned] == [u.groups[0].layout.shard_numel for u in engine]
     assert [u.grad_shard_numel for u in planned] == [
         u.grad_layout.shard_numel + len(u.trainable) for u in engine
     ]
     # a Shard(1) parameter costs numel / world per rank: only dim-0 ones are padded
     for u in engine:
-        for s in u.layout.slots:
+        for s in u.groups[0].layout.slots:
             assert s.padded_numel * world == s.numel or not s.dim
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = batches(2, world)
@@ -258,5 +258,5 @@ def test_planner_and_memory_tracker_count_shard_k_bytes(fake_pg: tuple[int, int]
     assert mem.peaks["forward"]["sharded_params"] == flat
     # the gathered storages are the layouts' (no padding in the Shard(1) regions)
     sizes = [g.storage.nbytes for u in engine for g in u.groups]
-    assert sizes == [u.layout.total_numel * 4 for u in engine]  # float32
+    assert sizes == [u.groups[0].layout.total_numel * 4 for u in engine]  # float32
     assert max(sizes) <= mem.peaks["forward"]["gathered_window"] <= sum(sizes)

@@ -1,4 +1,4 @@
-"""NOTE [Gathered window] (``engine/prefetch.py``): how many units hold gathered storage at once.
+"""NOTE [Gathered window] (``engine/schedule.py``): how many units hold gathered storage at once.
 
 Every event of a step (each all-gather as c10d sees it, each schedule point) records which
 units were gathered at that moment, so the window is checked at every point, not sampled.

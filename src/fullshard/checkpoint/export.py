@@ -1,7 +1,8 @@
 """Full (unsharded) weights (layer 9): a state dict on rank 0, safetensors export, offline convert.
 
 ``full_state_dict`` streams the model to rank 0 one unit at a time: each unit's shards are
-all-gathered in the *master* dtype (one collective per unit, inside the shard group), rank 0
+all-gathered in the *master* dtype (one collective per unit, inside the shard group, by the
+unit's public view: ``UnitView.full_parameters``), rank 0
 copies the parameters to CPU, and the gathered buffer is dropped before the next unit. Rank 0
 therefore holds the model plus one unit (and its gather buffer); other ranks never hold more
 than one unit.
@@ -20,33 +21,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
-from fullshard.comm.collectives import all_gather
-from fullshard.engine.sharding import units
-from fullshard.engine.shards import ShardGroup
-from fullshard.engine.unit import CommUnit
+from fullshard.engine.view import units
 from fullshard.policies import FullshardError
-
-
-def _gather_group(unit: CommUnit, group: ShardGroup) -> torch.Tensor:
-    """One dtype group's parameters in master dtype, parameter-major (NOTE [Flat unit layout])."""
-    send = group.flat.to(unit.mesh.device)
-    if unit.mesh.world_size == 1:
-        return send
-    gathered = torch.empty(group.layout.total_numel, dtype=send.dtype, device=send.device)
-    all_gather(
-        gathered,
-        send,
-        unit.mesh.group,
-        stats=unit.stats,
-        what=f"full-state-dict all-gather of unit '{unit.name}'",
-        unit=unit.name,
-        timeout=unit.mesh.timeout,
-    ).wait()
-    param_major = torch.empty_like(gathered)
-    group.layout.copy_out(gathered, param_major)
-    return param_major
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -58,21 +35,12 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     keep = rank == 0 or not rank0_only
     out: dict[str, torch.Tensor] = {}
     for view in units(model):
-        unit = view.unit
-        for group in unit.groups:  # one unless the unit mixes dtypes
-            flat = _gather_group(unit, group)
-            for i, p in enumerate(group.params):
-                full = group.layout.gathered_view(flat, i).detach()
-                if p.tp is not None:  # the TP-local whole: join the TP ranks' (all of them call)
-                    full = DTensor.from_local(
-                        full, p.tp.mesh, list(p.tp.placements), run_check=False,
-                        shape=p.tp.shape, stride=p.tp.stride,
-                    ).full_tensor()  # fmt: skip
-                if keep:
-                    full = full.to("cpu", copy=True)  # one tensor for every tied name
-                    for fqn in view.names_of(p):
-                        out[fqn] = full
-            del flat
+        for p, full in view.full_parameters():  # every rank iterates: collectives
+            if keep:
+                kept = full.to("cpu", copy=True)  # one tensor for every tied name
+                for fqn in view.names_of(p):
+                    out[fqn] = kept
+            del full
     if keep:
         managed = set(out)
         for key, value in model.state_dict().items():

@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.comm.control import broadcast_tensor
 from fullshard.engine.param import as_dtensor
-from fullshard.engine.sharding import units
 from fullshard.engine.unit import CommUnit
+from fullshard.engine.view import units
 from fullshard.policies import FullshardError
 
 _Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]

@@ -35,6 +35,7 @@ from fullshard.comm.desync import (
     timed_wait,
 )
 from fullshard.comm.device import check_tensor
+from fullshard.policies import Phase
 from fullshard.testing import emulation
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.4 has only those.
@@ -75,7 +76,7 @@ class CommStats:
     names: dict[int, str] = field(default_factory=dict)
     debug: bool = field(default_factory=debug_enabled)
 
-    def next_position(self, kind: str, unit: str, phase: str, index: int) -> Position:
+    def next_position(self, kind: str, unit: str, phase: Phase, index: int) -> Position:
         """The position of the next collective this rank issues (and count it)."""
         pos = Position(self.seq, self.step, kind, unit, phase, index)
         self.seq += 1
@@ -398,7 +399,7 @@ class Comm:
     custom_all_gather: Any = None
     custom_reduce_scatter: Any = None
 
-    def position(self, kind: str, phase: str, index: int) -> Position:
+    def position(self, kind: str, phase: Phase, index: int) -> Position:
         return self.stats.next_position(kind, self.unit, phase, index)
 
     def gather_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -414,7 +415,7 @@ class Comm:
         return torch.empty(numel, dtype=dtype, device=device)
 
     def all_gather(self, out: torch.Tensor, send: torch.Tensor, pos: Position) -> Pending:
-        what = f"all-gather ({pos.phase}) of unit '{self.unit}'"
+        what = f"all-gather ({pos.label}) of unit '{self.unit}'"
         custom = self.custom_all_gather
         if custom is None:
             return all_gather(out, send, self.group, position=pos, **self._bound(what))

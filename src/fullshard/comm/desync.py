@@ -57,10 +57,12 @@ import torch
 import torch.distributed as dist
 
 from fullshard.comm.device import cuda_semantics, new_event
-from fullshard.policies import FullshardError
+from fullshard.policies import FullshardError, Phase
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-PHASES = ("other", "forward gather", "backward gather", "reduce-scatter", "unshard()")
+# The tag's phase byte indexes this table: which collective of which ``Phase`` (its label in
+# messages; ``position_label``).
+PHASE_LABELS = ("other", "forward gather", "backward gather", "reduce-scatter", "unshard()")
 TAG_MAGIC = 0xA5
 TAG_LEN = 5  # all-gather tail: magic, unit index (2 bytes), phase, sequence mod 256
 TAG_BITS = 8 * TAG_LEN  # reduce-scatter: the same bytes as bits
@@ -95,16 +97,34 @@ class Position:
     step: int
     kind: str
     unit: str
-    phase: str
+    phase: Phase
     index: int = UNREGISTERED  # the unit's index in its root's registration order
 
     def __str__(self) -> str:
-        return f"{self.phase} of unit '{self.unit}' (step {self.step}, collective #{self.seq})"
+        return f"{self.label} of unit '{self.unit}' (step {self.step}, collective #{self.seq})"
+
+    @property
+    def label(self) -> str:
+        """What the collective is, for messages: ``"forward gather"``, ``"reduce-scatter"``..."""
+        return position_label(self.kind, self.phase)
 
     def tag_bytes(self) -> list[int]:
         """The five tag bytes of this position (NOTE [Collective positions])."""
-        phase = PHASES.index(self.phase) if self.phase in PHASES else 0
+        phase = PHASE_LABELS.index(self.label)
         return [TAG_MAGIC, self.index >> 8 & 0xFF, self.index & 0xFF, phase, self.seq % 256]
+
+
+def position_label(kind: str, phase: Phase) -> str:
+    """The label (an entry of ``PHASE_LABELS``) of a collective of ``kind`` in ``phase``."""
+    if kind == "reduce_scatter":
+        return "reduce-scatter"
+    if kind != "all_gather":
+        return "other"
+    if phase is Phase.FORWARD:
+        return "forward gather"
+    if phase is Phase.BACKWARD:
+        return "backward gather"
+    return "unshard()"
 
 
 def tags_exact(dtype: torch.dtype, world: int) -> bool:
@@ -116,7 +136,7 @@ def tags_exact(dtype: torch.dtype, world: int) -> bool:
 @functools.lru_cache(maxsize=32)
 def _tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(phase*256 + seq -> [phase, seq]), (byte -> its 8 bits, high first), on ``device``."""
-    n = torch.arange(len(PHASES) * 256)
+    n = torch.arange(len(PHASE_LABELS) * 256)
     pairs = torch.stack([n // 256, n % 256], dim=1)
     b = torch.arange(256).unsqueeze(1)
     bits = (b >> torch.arange(7, -1, -1)) & 1
@@ -169,7 +189,7 @@ def _describe(row: list[int], names: dict[int, str]) -> str:
         return "not a fullshard collective of this size (foreign collective)"
     index = row[1] * 256 + row[2]
     unit = names.get(index, f"#{index}")
-    phase = PHASES[row[3]] if 0 <= row[3] < len(PHASES) else "?"
+    phase = PHASE_LABELS[row[3]] if 0 <= row[3] < len(PHASE_LABELS) else "?"
     return f"{phase} of unit '{unit}', collective #{row[4]} (mod 256)"
 
 

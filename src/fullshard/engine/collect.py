@@ -3,12 +3,22 @@
 A call covers one module or a list of modules (one unit, FSDP2's grouping). It manages every
 parameter under them except those of nested units and ``ignored_params``; a parameter reached
 under several names (tied inside the unit) is managed once, with all its names.
+
+NOTE [Unit membership]
+A parameter belongs to the innermost unit module that holds it: ``fully_shard`` leaves out the
+parameters of children that are already units (``parallelize`` wraps the innermost units
+first). Inside a unit, a parameter reached twice (tied) is one parameter with every name, the
+first in module order as ``named_parameters()`` reports it. :func:`collect` is the rule: the
+engine applies it at wrap time, and the sharding plan (``sharding.unit_members``) applies the
+same function to an unwrapped (or meta) model, its unit modules standing in for the nested
+units; there a parameter tied across units goes to the first unit of the plan (the root, then
+module order), where the engine would refuse the tie.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +30,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.extension import extension_problem, is_tensor_subclass
+from fullshard.engine.fsdp_module import FSDPModule
 from fullshard.engine.param import TPSpec, local_of
 from fullshard.policies import FullshardError
 
@@ -41,19 +52,25 @@ class Found:
     refs: list[tuple[nn.Module, str]] = field(default_factory=list)
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is already a unit (passed to ``fully_shard``)."""
+    return isinstance(module, FSDPModule)
+
+
 def collect(
-    modules: list[nn.Module], ignored: Iterable[torch.Tensor] = ()
-) -> tuple[list[Found], list[FSDPState]]:
-    """The parameters the call manages (in registration order) and the nested units' states.
+    modules: list[nn.Module],
+    ignored: Iterable[torch.Tensor] = (),
+    is_unit: Callable[[nn.Module], bool] = is_sharded,
+) -> tuple[list[Found], list[nn.Module]]:
+    """NOTE [Unit membership]: the parameters the call manages (in registration order), and
+    the nested unit modules (``is_unit``) it stops at, in module order, each once.
 
     A parameter tied between modules of the list (``fully_shard([tok_embeddings, output])``
     with a shared weight, FSDP2's recommended form) is one parameter of the unit with a name
     under each module."""
-    from fullshard.engine.api import FSDPModule
-
     skip = {id(p) for p in ignored}
     found: dict[int, Found] = {}
-    children: list[FSDPState] = []
+    children: list[nn.Module] = []
     seen: set[tuple[int, str, int]] = set()  # (module, attribute, list module) visited
     held: set[tuple[int, str]] = set()  # (module, attribute) pairs already in some refs
 
@@ -75,9 +92,9 @@ def collect(
         for cname, child in mod._modules.items():
             if child is None:
                 continue
-            if isinstance(child, FSDPModule):
-                if child._fullshard_state not in children:
-                    children.append(child._fullshard_state)
+            if is_unit(child):
+                if all(c is not child for c in children):
+                    children.append(child)
                 continue
             visit(child, f"{prefix}{cname}.", owner)
 
@@ -144,8 +161,6 @@ def check_tensor_parallel(
 
 def check_modules(modules: list[nn.Module]) -> None:
     """The modules of one call: not wrapped yet, and none inside another."""
-    from fullshard.engine.api import FSDPModule
-
     if not modules:
         raise FullshardError("fully_shard got an empty list of modules.")
     for m in modules:
@@ -188,8 +203,6 @@ def check_params(
 ) -> None:
     """Parameters a unit cannot manage: sharded elsewhere, tied across units, 0-dim, integer,
     tensor subclasses without the all-gather hooks (NOTE [All-gather extensions])."""
-    from fullshard.engine.api import FSDPModule
-
     child_path = {
         id(m): name
         for module in modules

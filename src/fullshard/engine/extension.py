@@ -52,8 +52,7 @@ from torch.nn.parameter import is_lazy
 from fullshard.comm.control import all_gather_objects
 from fullshard.comm.desync import TAG_LEN, UNREGISTERED, write_static_tag
 from fullshard.comm.mesh import MeshInfo
-from fullshard.engine.param import GatheredStorage, ShardedParam
-from fullshard.engine.shards import GROUP_ALIGN_BYTES, ShardGroup
+from fullshard.engine.param import GROUP_ALIGN_BYTES, GatheredStorage, ShardedParam, ShardGroup
 from fullshard.policies import FullshardError, MixedPrecisionPolicy
 from fullshard.shard.layout import chunk_rows, contiguous_stride, local_rows
 

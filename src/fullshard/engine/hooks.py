@@ -50,9 +50,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fullshard.engine.schedule import StepSchedule
-from fullshard.engine.unit import CommUnit, UnitState
-from fullshard.policies import FullshardError, SharedParameterError
+from fullshard.engine.schedule import ExplicitPrefetch, StepSchedule
+from fullshard.engine.unit import CommUnit
+from fullshard.engine.unit_parts import UnitState
+from fullshard.policies import FullshardError, Phase, SharedParameterError
 
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
@@ -85,13 +86,10 @@ class FSDPState:
     backward hooks registered) when every module that started has finished, as in FSDP2.
     """
 
-    def __init__(
-        self, modules: list[nn.Module], unit: CommUnit, reshard_after_forward: bool | None
-    ) -> None:
+    def __init__(self, modules: list[nn.Module], unit: CommUnit) -> None:
         self.modules = modules
         self.module = modules[0]
         self.unit = unit
-        self.reshard_after_forward_arg = reshard_after_forward
         self.parent: FSDPState | None = None
         self.schedule: StepSchedule | None = None
         self.is_root = False
@@ -105,8 +103,9 @@ class FSDPState:
         self._events: tuple[int, list[int]] | None = None  # (graph task, [seen, expected])
         # original_uid(parameter) -> fqn of the original parameters, to catch ties across units
         self.original_uids: dict[int, str] = {}
-        # FSDPModule.set_modules_to_{forward,backward}_prefetch: prefetcher attribute -> units
-        self.explicit_prefetch: dict[str, list[CommUnit]] = {}
+        # FSDPModule.set_modules_to_{forward,backward}_prefetch (the root's prefetcher holds
+        # this object from its first forward on)
+        self.explicit_prefetch = ExplicitPrefetch()
         self._handles = []
         for m in modules:
             self._handles += [
@@ -145,7 +144,7 @@ class FSDPState:
             if st.unit.state is UnitState.GATHERING:
                 # unshard(async_op=True) before the first forward: land it before the tags are
                 # rewritten and the shards refreshed (the collective may still be reading them)
-                st.unit.wait_for_unshard("unshard()")
+                st.unit.wait_for_unshard(Phase.IDLE)
             st.unit.refresh_shards()
         _check_materialized(states)
         self.tree = states
@@ -153,16 +152,12 @@ class FSDPState:
         schedule.is_last_backward = self.is_last_backward
         for st in states:
             st.schedule = schedule
-            raf = st.reshard_after_forward_arg
-            st.unit.reshard_after_forward = (st is not self) if raf is None else raf
-            st.apply_explicit_prefetch()
+            schedule.prefetcher.explicit[st.unit] = st.explicit_prefetch
+        if self.unit.reshard_after_forward is None:
+            # FSDP2's default for the root: backward needs its parameters first (the other
+            # units' None became True when their parent was sharded: ``fully_shard``)
+            self.unit.reshard_after_forward = False
         self.is_root = True
-
-    def apply_explicit_prefetch(self) -> None:
-        """Hand the ``set_modules_to_*_prefetch`` lists to the schedule's prefetcher."""
-        assert self.schedule is not None
-        for attr, units in self.explicit_prefetch.items():
-            getattr(self.schedule.prefetcher, attr)[self.unit] = units
 
     # -- forward --------------------------------------------------------------------------
     @outside_compile
@@ -220,7 +215,8 @@ class FSDPState:
     def finish_forward(self, grad: bool) -> None:
         """The unit's forward is over: free it (as asked) and record its place in the order."""
         assert self.schedule is not None
-        self.schedule.post_forward(self.unit, self.unit.reshard_after_forward or not grad, grad)
+        reshard = bool(self.unit.reshard_after_forward) or not grad
+        self.schedule.post_forward(self.unit, reshard, grad)
 
     def reset_iter_state(self) -> None:
         """``FSDPModule.reset_iter_state`` on the root: forget a forward or backward that an

@@ -1,10 +1,27 @@
-"""Step scheduling (layer 7): what each unit does at each point of a step, and the root's
-end-of-backward callback.
+"""Step scheduling (layer 7): what each unit does at each point of a step, which unit to gather
+next and how many may be gathered at once, and the root's end-of-backward callback.
 
 The hooks (layer 8) only detect *when* something happens (a unit's forward starts or ends, its
 backward starts or ends) and call the matching method here. This file decides *what* happens:
 gather and wait, prefetch, free, reduce-scatter, and at the end of backward, the clean-up that
 makes every rank leave backward in the same state. Observers subscribe to the typed ``Point`` s.
+
+NOTE [Prefetch order]
+Forward runs units in *pre-forward* order (root first, then the blocks), and the next unit's
+gather is issued as soon as the current one's has been waited on, so it overlaps with the
+current unit's compute. Backward visits units in reverse *post-forward* order (the root finishes
+its forward last, so it is first in backward); while unit i runs its backward, the gather of the
+unit before it is in flight. Both orders are recorded during each forward and used by the next
+step's forward (forward order) or by this step's backward (backward order), so the first
+forward of a run has no forward prefetch: it cannot know the order yet. An explicit list set with
+``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` (an
+``ExplicitPrefetch`` of the unit objects) replaces the implicit choice for that unit.
+
+NOTE [Gathered window]
+At most ``max_gathered`` non-root units hold gathered storage because of *our* choices (the one
+computing plus the prefetched one; default 2). Units that keep their parameters by request
+(``reshard_after_forward=False``) do not count: the user asked for that memory. A prefetch that
+would exceed the window is skipped, never queued, so the bound holds in every phase.
 
 NOTE [End of backward]
 Autograd gives no per-unit "backward is over" signal that always fires: a unit whose outputs
@@ -21,15 +38,103 @@ verdict]), which the next forward reads.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.autograd import Variable
 
 from fullshard.comm.collectives import CommStats
 from fullshard.comm.desync import Verdict
-from fullshard.engine.prefetch import Prefetcher
 from fullshard.engine.unit import CommUnit
+from fullshard.policies import Phase
+
+DEFAULT_MAX_GATHERED = 2
+
+
+@dataclass
+class ExplicitPrefetch:
+    """One unit's ``set_modules_to_{forward,backward}_prefetch`` lists (``None``: implicit)."""
+
+    forward: list[CommUnit] | None = None
+    backward: list[CommUnit] | None = None
+
+
+class Prefetcher:
+    """Records the unit order of each forward and issues gathers ahead of use."""
+
+    def __init__(self, root: CommUnit, max_gathered: int = DEFAULT_MAX_GATHERED) -> None:
+        self.root = root
+        self.max_gathered = max_gathered
+        self.units: list[CommUnit] = []
+        self.pre_forward_order: list[CommUnit] = []
+        self.post_forward_order: list[CommUnit] = []
+        # the previous forward's pre-forward order, used to prefetch in this forward
+        self.last_forward_order: list[CommUnit] = []
+        # FSDPModule.set_modules_to_*_prefetch, by unit (the FSDPState's own object, so a list
+        # set after the root's first forward applies at once)
+        self.explicit: dict[CommUnit, ExplicitPrefetch] = {}
+
+    # -- recording ------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        if self.pre_forward_order:
+            self.last_forward_order = self.pre_forward_order
+        self.pre_forward_order = []
+        self.post_forward_order = []
+
+    def record_pre_forward(self, unit: CommUnit) -> None:
+        self.pre_forward_order.append(unit)
+
+    def record_post_forward(self, unit: CommUnit) -> None:
+        self.post_forward_order.append(unit)
+
+    # -- choosing -------------------------------------------------------------------------
+    def _next(self, order: Sequence[CommUnit], unit: CommUnit) -> list[CommUnit]:
+        # A unit may run more than once per forward; the most recent position is the one we're at.
+        for i in range(len(order) - 1, -1, -1):
+            if order[i] is unit:
+                return list(order[i + 1 : i + 2])
+        return []
+
+    def forward_targets(self, unit: CommUnit) -> list[CommUnit]:
+        explicit = self.explicit.get(unit)
+        if explicit is not None and explicit.forward is not None:
+            return explicit.forward
+        # Position in this forward = how many times we've seen units so far.
+        pos = len(self.pre_forward_order)
+        order = self.last_forward_order
+        if pos < len(order) and order[pos - 1] is unit:
+            return [order[pos]]
+        return []
+
+    def backward_targets(self, unit: CommUnit) -> list[CommUnit]:
+        explicit = self.explicit.get(unit)
+        if explicit is not None and explicit.backward is not None:
+            return explicit.backward
+        return self._next(list(reversed(self.post_forward_order)), unit)
+
+    # -- the window -----------------------------------------------------------------------
+    def counts_in_window(self, unit: CommUnit) -> bool:
+        return unit is not self.root and bool(unit.reshard_after_forward)
+
+    def window(self) -> int:
+        """Non-root units gathered (or gathering) that count against NOTE [Gathered window]."""
+        return sum(1 for u in self.units if u.gathered and self.counts_in_window(u))
+
+    def prefetch(self, targets: Sequence[CommUnit], phase: Phase) -> list[CommUnit]:
+        """Start the gathers of ``targets`` that fit the window; returns the ones started."""
+        started = []
+        for target in targets:
+            if target.gathered:
+                continue
+            if phase is Phase.BACKWARD and not target.unshard_in_backward:
+                continue  # FSDPModule.set_unshard_in_backward(False)
+            if self.counts_in_window(target) and self.window() >= self.max_gathered:
+                break
+            target.unshard(phase)
+            started.append(target)
+        return started
+
 
 # Reduce-scatters in flight at once: each holds a full copy of its unit's gradients.
 MAX_REDUCES_IN_FLIGHT = 1
@@ -52,9 +157,13 @@ class Point(enum.Enum):
     BACKWARD_DONE = "backward_done"
 
     @property
-    def pass_name(self) -> str:
-        """Which pass the point belongs to: forward (FREE included) or backward."""
-        return "backward" if self.value.startswith("backward") else "forward"
+    def phase(self) -> Phase:
+        """Which pass the point belongs to: ``Phase.FORWARD`` (FREE included, wherever it
+        happens) or ``Phase.BACKWARD``."""
+        return Phase.BACKWARD if self in _BACKWARD_POINTS else Phase.FORWARD
+
+
+_BACKWARD_POINTS = frozenset({Point.BACKWARD_START, Point.BACKWARD_END, Point.BACKWARD_DONE})
 
 
 Listener = Callable[[Point, CommUnit], None]
@@ -109,15 +218,15 @@ class StepSchedule:
         self.in_forward = True
 
     def pre_forward(self, unit: CommUnit) -> None:
-        unit.wait_for_unshard("forward")
+        unit.wait_for_unshard(Phase.FORWARD)
         self.forwarded.add(unit)
         self.prefetcher.record_pre_forward(unit)
-        self.prefetcher.prefetch(self.prefetcher.forward_targets(unit), "forward prefetch")
+        self.prefetcher.prefetch(self.prefetcher.forward_targets(unit), Phase.FORWARD)
         self._emit(Point.FORWARD_START, unit)
 
     def pre_recompute(self, unit: CommUnit) -> None:
         """A forward recomputed inside backward (activation checkpointing) needs the unit."""
-        unit.wait_for_unshard("recompute")
+        unit.wait_for_unshard(Phase.BACKWARD)
 
     def post_forward(self, unit: CommUnit, reshard: bool, grad_enabled: bool = True) -> None:
         self._emit(Point.FORWARD_END, unit)
@@ -155,8 +264,8 @@ class StepSchedule:
         self.backward_started.add(unit)
         self.backward_done.discard(unit)
         if unit.unshard_in_backward:
-            unit.wait_for_unshard("backward")
-        self.prefetcher.prefetch(self.prefetcher.backward_targets(unit), "backward prefetch")
+            unit.wait_for_unshard(Phase.BACKWARD)
+        self.prefetcher.prefetch(self.prefetcher.backward_targets(unit), Phase.BACKWARD)
         self._emit(Point.BACKWARD_START, unit)
 
     def post_backward(self, unit: CommUnit) -> None:

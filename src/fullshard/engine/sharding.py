@@ -7,31 +7,21 @@ trainer, bench, trace and the memory planner (``fullshard.plan``) read the same 
 (which parameter belongs to which unit, what the hybrid default is) is written once, here.
 The planner builds the model on the meta device: planning needs no process group.
 
-After wrapping, :func:`units` lists the units of a sharded model and :func:`subscribe` tells an
-observer about every :class:`~fullshard.engine.schedule.Point` of a step. Code outside the engine
-(checkpoints, observers, bench, tests) reads units through these two functions only.
-
-NOTE [Unit membership]
-A parameter belongs to the innermost unit module that holds it: ``parallelize`` wraps the
-innermost units first, and ``fully_shard`` leaves out the parameters of children that are
-already units. A parameter reached twice (tied) belongs to the first unit that reaches it in
-module order, under its first name, as ``named_parameters()`` reports it. The engine applies the
-rule at wrap time (``fullshard.engine.collect``); :func:`unit_members` applies it to an unwrapped
-(or meta) model, and a test checks that the two agree.
+After wrapping, the public view of units is ``view.py`` (:func:`units`, :func:`subscribe`,
+re-exported here). Which parameters a unit owns is NOTE [Unit membership] (``collect.py``), the
+one rule both the engine and :func:`unit_members` apply.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from fullshard.engine.api import FSDPModule
-from fullshard.engine.param import ShardedParam
-from fullshard.engine.schedule import Listener, Point, StepSchedule
-from fullshard.engine.unit import CommUnit
+from fullshard.engine.collect import collect
+from fullshard.engine.view import UnitView, step_schedule, subscribe, units
 from fullshard.policies import FullshardError, ShardingStrategy
 
 __all__ = [
@@ -156,28 +146,19 @@ def unit_members(
     model: nn.Module, unit_modules: Sequence[nn.Module]
 ) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
     """``(module name, [(parameter name, parameter)])`` per unit, root first (``""``), then the
-    unit modules in module order, by NOTE [Unit membership]."""
-    index = {id(m): -1 for m in unit_modules if m is not model}
-    out: list[tuple[str, list[tuple[str, nn.Parameter]]]] = [("", [])]
-    seen: set[int] = set()
-
-    def visit(mod: nn.Module, prefix: str, owner: int) -> None:
-        for pname, p in mod._parameters.items():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                out[owner][1].append((f"{prefix}{pname}", p))
-        for cname, child in mod._modules.items():
-            if child is None:
-                continue
-            own = owner
-            if id(child) in index:
-                if index[id(child)] < 0:
-                    index[id(child)] = len(out)
-                    out.append((f"{prefix}{cname}", []))
-                own = index[id(child)]
-            visit(child, f"{prefix}{cname}.", own)
-
-    visit(model, "", 0)
+    unit modules in module order: NOTE [Unit membership], by the engine's own ``collect``."""
+    ids = {id(m) for m in unit_modules if m is not model}
+    owners = [("", model)] + [(n, m) for n, m in model.named_modules() if id(m) in ids]
+    out: list[tuple[str, list[tuple[str, nn.Parameter]]]] = []
+    taken: set[int] = set()
+    for name, module in owners:
+        found, _ = collect([module], is_unit=lambda m: id(m) in ids)
+        members = []
+        for f in found:
+            if id(f.param) not in taken:  # a tie across units: the first unit's
+                taken.add(id(f.param))
+                members.append((f"{name}.{f.fqns[0]}" if name else f.fqns[0], f.param))
+        out.append((name, members))
     return out
 
 
@@ -212,72 +193,3 @@ def plan_sharding(
         for name, params in unit_members(model, modules)
     ]
     return ShardingPlan(strategy, world_size, size, tuple(plans))
-
-
-@dataclass(frozen=True)
-class UnitView:
-    """One unit of a sharded model, as :func:`units` lists it."""
-
-    name: str  # the name of the (first) module ``fully_shard`` was called on ("" for the root)
-    module: FSDPModule  # that module
-    unit: CommUnit  # the engine's unit: its parameters, dtype groups and gather state
-    module_names: tuple[str, ...]  # every module of the unit (more than one for a list)
-
-    def names_of(self, sp: ShardedParam) -> list[str]:
-        """Every name of one of the unit's parameters in the model (a tie has several)."""
-        bases = [self.module_names[o] for o in sp.owners]
-        return [f"{b}.{f}" if b else f for b, f in zip(bases, sp.fqns, strict=True)]
-
-    @property
-    def param_names(self) -> list[str]:
-        """The first name of each of the unit's parameters, in the unit's order."""
-        return [self.names_of(sp)[0] for sp in self.unit.params]
-
-
-def units(model: nn.Module) -> list[UnitView]:
-    """Every unit of ``model`` (each ``fully_shard`` call), in module order."""
-    names: dict[int, str] = {}
-    found: list[FSDPModule] = []
-    for name, m in model.named_modules():
-        if isinstance(m, FSDPModule):
-            names[id(m)] = name
-            if m._fullshard_state.module is m:
-                found.append(m)
-    views = []
-    for m in found:
-        state = m._fullshard_state
-        module_names = tuple(names.get(id(x), "?") for x in state.modules)
-        views.append(UnitView(module_names[0], m, state.unit, module_names))
-    return views
-
-
-def step_schedule(model: nn.Module) -> StepSchedule:
-    """The step schedule of a sharded root (it exists after the root's first forward)."""
-    state = model._fullshard_state if isinstance(model, FSDPModule) else None
-    if state is None or state.schedule is None:
-        raise FullshardError(
-            "observe a model after fully_shard and after its first forward (the root sets up "
-            "its units lazily, on that forward)."
-        )
-    return state.schedule
-
-
-class Subscription:
-    """Returned by :func:`subscribe`; ``remove()`` stops the calls."""
-
-    def __init__(self, schedule: StepSchedule, listener: Listener) -> None:
-        self._schedule: StepSchedule | None = schedule
-        self._listener = listener
-
-    def remove(self) -> None:
-        if self._schedule is not None:
-            self._schedule.listeners.remove(self._listener)
-            self._schedule = None
-
-
-def subscribe(model: nn.Module, listener: Callable[[Point, CommUnit], None]) -> Subscription:
-    """Call ``listener(point, unit)`` at every :class:`Point` of every step of ``model`` (a
-    sharded root, after its first forward), in the order the points happen on this rank."""
-    schedule = step_schedule(model)
-    schedule.listeners.append(listener)
-    return Subscription(schedule, listener)

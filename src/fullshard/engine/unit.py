@@ -1,9 +1,10 @@
 """One communication unit (layer 6): the parameters of one ``fully_shard`` call, and their whole
 lifecycle in one object, as FSDP2's ``FSDPParamGroup``: unshard (issue the all-gather), wait
-(copy out, show the gathered parameters), reshard (free), and reduce gradients (reduce-scatter
-and accumulate into ``.grad``; those methods are in ``unit_reduce.py``). The collectives
+(copy out, show the gathered parameters), reshard (free), and reduce gradients (pack, one
+reduce-scatter, the HSDP all-reduce, divide, accumulate into ``.grad``). The collectives
 themselves are pure functions over tensors (``fullshard.comm.collectives``), reached through the
-unit's bound ``Comm``; which stream runs what is NOTE [Streams and buffer lifetimes].
+unit's bound ``Comm``; which stream runs what is NOTE [Streams and buffer lifetimes]. Its records
+and pure arithmetic are in ``unit_parts.py`` (NOTE [Mixed-dtype units], NOTE [Dividing the sum]).
 
 NOTE [Unit states]
 SHARDED --unshard--> GATHERING --wait_for_unshard--> GATHERED --reshard--> SHARDED.
@@ -11,102 +12,96 @@ While GATHERED the owning modules see the gathered parameters; otherwise they se
 Only ``wait_for_unshard`` and ``reshard`` swap what the modules see, so a module never sees a
 half-gathered unit.
 
-NOTE [Mixed-dtype units]
-Parameters of several dtypes in one unit (fp32 LoRA adapters on a bf16 base) form one
-``ShardGroup`` per dtype, each with its flat buffer and gathered storage. They still travel in
-one all-gather: the groups' (cast) shards are concatenated, in the compute dtype when the policy
-gives every group the same one, else as bytes (each group padded to 16 bytes so every dtype stays
-aligned). Gradients are reduced in one dtype, so a unit whose trainable parameters compute in
-different dtypes needs ``MixedPrecisionPolicy(reduce_dtype=...)``. Parameters gathered through
-all-gather extension hooks (float8 weights) form groups of their own after the others, and send
-what their hooks return, as bytes (NOTE [All-gather extensions] in extension.py): the unit still
-moves in one all-gather.
-
 NOTE [Resharding to a smaller group]
 ``reshard_after_forward=k`` (an int, FSDP2's): after forward each rank keeps its rows of the
 unit sharded over k ranks (``post_forward_shard``: k consecutive ranks, e.g. one node), so
 backward all-gathers within that group only, for k times the memory of a full reshard.
+
+NOTE [Which gradients exist]
+Plain PyTorch leaves ``.grad`` None for a parameter no backward reached. A rank sets the sharded
+``.grad`` exactly where its own backward produced a gradient (missing ones are sent as zeros, so
+that every rank issues the same collective). That is exact when every rank's backward reaches
+the same parameters, which FSDP2 requires too; fullshard also checks it: each rank's block of the
+reduce-scatter carries one presence bit per parameter, and after the sum each must be 0 or the
+group size (NOTE [Collective positions]). A disagreement raises on every rank, naming the
+parameters, instead of leaving ranks whose shards silently diverge; deciding from the sums
+instead would need the host to read them every unit, every step.
+
+NOTE [Accumulating without sync]
+With ``set_requires_gradient_sync(False)`` the unsharded gradients stay on the rank and the next
+backward adds to them. When they are computed in a narrower dtype than the reduce dtype (bf16
+compute, fp32 reduce), they are kept in the reduce dtype between backwards (as FSDP2 does), so
+k micro-batches of bf16 gradients are not summed in bf16. ``set_requires_all_reduce(False)``
+(HSDP) reduce-scatters every micro-batch but keeps the sum on the rank instead of all-reducing
+it across replicas; the next all-reduce sends the total.
+
+NOTE [Reducing on streams]
+On CUDA (NCCL, or the CUDA emulation) a unit's whole reduction is queued at its post-backward,
+in stream order, and the host never waits: the reduce-scatter on the reduce stream; the reduce
+stream waits for it and reads the tags; under HSDP the all-reduce at once, on its own stream
+after an event of the reduce stream (so the next unit's reduce-scatter does not queue behind
+it); the all-reduce hook, the division, the one cast and (offload) the copy to pinned memory,
+and ``.grad``, on the last of those streams. Compute then waits twice, as in FSDP2: for the
+reduce-scatter before the packed input it made may be reused (rule 3, at the next unit's
+post-backward), and for the end of every reduction once, at the end of backward, before the
+optimizer reads ``.grad``. Under HSDP the reduce-scatter's output (which the all-reduce stream
+uses) is held until that end-of-backward wait, so the reduce stream's next allocation can never
+reuse it while the all-reduce still runs. On gloo the collectives are waited for on the host,
+so the finish (wait, local sum, all-reduce, ``.grad``) is deferred to the next unit's
+post-backward, where the host would block anyway.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from fullshard.comm.collectives import Comm, CommStats, Pending
+from fullshard.comm.collectives import Comm, CommStats
 from fullshard.comm.desync import (
     TAG_LEN,
     UNREGISTERED,
     Position,
     Verdict,
+    reduce_tag_row,
     tags_exact,
     write_dynamic_tag,
     write_static_tag,
 )
-from fullshard.comm.device import cuda_semantics
+from fullshard.comm.device import cuda_semantics, current_stream, use_stream
 from fullshard.comm.mesh import MeshInfo
-from fullshard.engine.extension import ExtensionGroup, has_extension_hooks
 from fullshard.engine.param import GatheredStorage, ShardedParam
-from fullshard.engine.shards import ShardGroup
 from fullshard.engine.streams import Event, Streams, streams_for
-from fullshard.engine.unit_reduce import ReduceGrads, ReduceInFlight
+from fullshard.engine.unit_parts import (
+    GatherInFlight,
+    PostForward,
+    ReduceInFlight,
+    UnitState,
+    check_reduce_tags,
+    join_wire,
+    make_groups,
+    post_accumulate_hooks,
+    pre_divide_factor,
+    reduce_dtype_of,
+    refuse_regrouping,
+    unit_layout,
+)
 from fullshard.policies import (
     CPUOffloadPolicy,
-    FullshardError,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    Phase,
 )
 from fullshard.shard.layout import FlatLayout
 from fullshard.testing import emulation
 
 
-class UnitState(enum.Enum):
-    """See NOTE [Unit states]."""
-
-    # Only shards are held; modules see the sharded parameters.
-    SHARDED = "sharded"
-    # An all-gather is in flight; modules still see the shards.
-    GATHERING = "gathering"
-    # The gathered storage is allocated and filled; modules see the gathered parameters.
-    GATHERED = "gathered"
-
-
-def gather_phase(why: str) -> str:
-    """The phase name a gather reports in its position (NOTE [Collective positions])."""
-    if why.startswith("forward"):
-        return "forward gather"
-    if why.startswith("backward") or why == "recompute":
-        return "backward gather"
-    return "unshard()"
-
-
-@dataclass
-class GatherInFlight:
-    """An all-gather between ``unshard`` and ``wait_for_unshard``; ``None`` fields: no
-    collective (a one-rank shard group, or an aliased/empty unit)."""
-
-    pending: Pending | None
-    out: torch.Tensor | None  # rank-major output, allocated on the gather stream
-    send: torch.Tensor | None  # what the collective reads (a cast copy, or the shard itself)
-    position: Position | None
-    post_forward: bool = False  # gathered over the post-forward group
-
-
-@dataclass
-class PostForward:
-    """NOTE [Resharding to a smaller group]: the group, this rank in it, the unit's layout there."""
-
-    size: int
-    rank: int
-    comm: Comm
-    layout: FlatLayout
-
-
-class CommUnit(ReduceGrads):
-    """The parameters of one ``fully_shard`` call, sharded over one group."""
+class CommUnit:
+    """The parameters of one ``fully_shard`` call, sharded over one group, and their
+    lifecycle: ``unshard`` / ``wait_for_unshard`` / ``reshard`` (NOTE [Unit states]), and
+    ``reduce_grads`` / ``finish_reduce`` / ``end_reduces`` (NOTE [Reducing on streams])."""
 
     def __init__(
         self,
@@ -132,7 +127,10 @@ class CommUnit(ReduceGrads):
         self.verdict = Verdict()  # replaced by the root's
         self.streams: Streams = streams_for(mesh.device)
         self.state = UnitState.SHARDED
-        self.reshard_after_forward = True
+        # whether forward frees the gathered parameters: decided by ``fully_shard`` (None: FSDP2's
+        # default, settled when the unit's parent is sharded (True) or at the root's lazy init
+        # (False)); ``FSDPModule.set_reshard_after_forward`` changes it
+        self.reshard_after_forward: bool | None = None
         self.reshard_after_backward = True
         self.unshard_in_backward = True
         self.gather_in_flight: GatherInFlight | None = None
@@ -145,9 +143,11 @@ class CommUnit(ReduceGrads):
             and offload.pin_memory
             and cuda_semantics(mesh.device)
         )
-        self.groups = self._make_groups(params, originals)
+        self.groups = make_groups(
+            params, originals, mesh, mp_policy, self.shard_device, self.pin_memory, name
+        )
         self.trainable = [p for p in params if p.requires_grad]
-        self.reduce_dtype = self._reduce_dtype()
+        self.reduce_dtype = reduce_dtype_of(self.groups, mp_policy, name)
         self.grad_layout = FlatLayout(
             [p.shape for p in self.trainable],
             mesh.world_size,
@@ -155,82 +155,27 @@ class CommUnit(ReduceGrads):
         )
         # reduce-scatter tags are exact in the reduce dtype up to a group size (desync.py)
         self.reduce_tags = mesh.world_size > 1 and tags_exact(self.reduce_dtype, mesh.world_size)
-        self.init_reduce_state()
+        self.requires_grad_sync = True
+        self.requires_all_reduce = True
+        self.divide_factor: float | None = None  # set_gradient_divide_factor
+        self.reduce_in_flight: ReduceInFlight | None = None
+        # FSDPModule.set_all_reduce_hook: called on the summed shard before it is divided
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: Any = None  # a torch.cuda.Stream
+        self.partial_reduce: torch.Tensor | None = None  # HSDP sum kept without all-reduce
+        # NOTE [Accumulating without sync]: full gradients kept in the reduce dtype
+        self.accumulated: dict[int, torch.Tensor] = {}
+        # CUDA: reductions the backward waits for, with buffers another stream still uses
+        self._done_events: list[tuple[Event | None, list[torch.Tensor]]] = []
         by_param = {id(p): g for g in self.groups for p in g.params}
         for g in self.groups:
             g.load([t for p, t in zip(params, originals, strict=True) if by_param[id(p)] is g])
 
-    def _make_groups(
-        self, params: list[ShardedParam], originals: list[torch.Tensor]
-    ) -> list[ShardGroup]:
-        """NOTE [Mixed-dtype units]: one group per dtype, widest first (alignment in bytes), then
-        one per dtype of the parameters gathered through extension hooks; the last group carries
-        the position tag."""
-
-        def width(d: torch.dtype) -> int:
-            return -torch.empty((), dtype=d).element_size()
-
-        kinds: list[tuple[bool, torch.dtype]] = []
-        for ext in (False, True):
-            dtypes = {t.dtype for t in originals if has_extension_hooks(t) == ext}
-            kinds += [(ext, d) for d in sorted(dtypes, key=width)]
-        kinds = kinds or [(False, torch.float32)]
-        world = self.mesh.world_size
-        groups: list[ShardGroup] = []
-        for i, (ext, dtype) in enumerate(kinds):
-            pairs = [
-                (p, t)
-                for p, t in zip(params, originals, strict=True)
-                if t.dtype == dtype and has_extension_hooks(t) == ext
-            ]
-            members = [p for p, _ in pairs]
-            compute = self.mp_policy.param_dtype or dtype
-            # the tag ends the last group, so it ends what is sent
-            tail = TAG_LEN if world > 1 and i == len(kinds) - 1 else 0
-            args = (members, dtype, compute, self.mesh, self.shard_device, self.pin_memory)
-            if ext:
-                g: ShardGroup = ExtensionGroup(*args, tail, [t for _, t in pairs], self.mp_policy)
-            else:
-                g = ShardGroup(*args, tail, align=len(kinds) > 1)
-            g.unit_name = self.comm.unit
-            groups.append(g)
-        return groups
-
-    def _reduce_dtype(self) -> torch.dtype:
-        """FSDP2's rule: ``reduce_dtype``, else the dtype gradients are computed in."""
-        if self.mp_policy.reduce_dtype is not None:
-            return self.mp_policy.reduce_dtype
-        computed = {g.compute_dtype for g in self.groups if any(p.requires_grad for p in g.params)}
-        if len(computed) > 1:
-            raise FullshardError(
-                f"unit '{self.name}' has trainable parameters computed in "
-                f"{sorted(str(d) for d in computed)}; their gradients are reduced in one "
-                "collective of one dtype. Pass MixedPrecisionPolicy(reduce_dtype=torch.float32) "
-                "(or a param_dtype for the whole unit), or freeze the parameters of one dtype."
-            )
-        return computed.pop() if computed else self.groups[0].compute_dtype
-
     # -- the single-dtype view most callers want ------------------------------------------
     @property
-    def layout(self) -> FlatLayout:
-        """The first dtype group's layout (the unit's, unless it mixes dtypes)."""
-        return self.groups[0].layout
-
-    @property
-    def shard_flat(self) -> torch.Tensor:
-        return self.groups[0].flat
-
-    @property
     def storage(self) -> GatheredStorage:
+        """The first dtype group's gathered storage (the unit's, unless it mixes dtypes)."""
         return self.groups[0].storage
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.groups[0].dtype
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.groups[0].compute_dtype
 
     @property
     def name(self) -> str:
@@ -263,22 +208,11 @@ class CommUnit(ReduceGrads):
 
     def set_post_forward_group(self, size: int) -> None:
         """NOTE [Resharding to a smaller group] (``reshard_after_forward=size``)."""
-        if any(g.extension for g in self.groups):
-            raise FullshardError(
-                f"unit '{self.name}' has parameters gathered through all-gather extension hooks "
-                "(tensor subclasses, e.g. float8 weights); reshard_after_forward as an int is not "
-                "supported for them (nor in torch FSDP2). Pass True or False."
-            )
-        if len(self.groups) > 1:
-            raise FullshardError(
-                f"unit '{self.name}' mixes dtypes; reshard_after_forward as an int is supported "
-                "for units of one dtype. Pass True or False, or shard the parts separately."
-            )
+        refuse_regrouping(self.groups, self.name, "reshard_after_forward as an int", one_dtype=True)
         group, rank = self.mesh.post_forward_group(size)
         comm = Comm(group, self.mesh.timeout, self.name, self.comm.stats)
         # the same shard dims: a Shard(k) size divisible by the group divides by ``size`` too
-        dims = [p.dim for p in self.params]
-        layout = FlatLayout([p.shape for p in self.params], size, tail=TAG_LEN, dims=dims)
+        layout = unit_layout([p.shape for p in self.params], size, [p.dim for p in self.params])
         self.post_forward = PostForward(size, rank, comm, layout)
 
     # -- shards ---------------------------------------------------------------------------
@@ -297,28 +231,27 @@ class CommUnit(ReduceGrads):
                 g.write_static_tag(self.index)
 
     def _recast(self) -> None:
-        if any(g.extension for g in self.groups):
-            raise FullshardError(
-                f"unit '{self.name}' has parameters gathered through all-gather extension hooks "
-                "(tensor subclasses, e.g. float8 weights); casting it after fully_shard is not "
-                "supported. Cast the model before calling fully_shard."
-            )
-        self.groups = self._make_groups(self.params, [p.local for p in self.params])
+        refuse_regrouping(self.groups, self.name, "a cast after fully_shard")
+        originals = [p.local for p in self.params]
+        self.groups = make_groups(
+            self.params, originals, self.mesh, self.mp_policy, self.shard_device,
+            self.pin_memory, self.name,
+        )  # fmt: skip
         for g in self.groups:
             g.reattach()  # copies each cast shard into the new group's flat buffer
             g.write_static_tag(self.index)
-        self.reduce_dtype = self._reduce_dtype()
+        self.reduce_dtype = reduce_dtype_of(self.groups, self.mp_policy, self.name)
         world = self.mesh.world_size
         self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
 
     # -- unshard / wait / reshard ---------------------------------------------------------
-    def unshard(self, why: str = "gather") -> None:
-        """Issue the unit's all-gather if it is not gathered or gathering already."""
+    def unshard(self, phase: Phase = Phase.IDLE) -> None:
+        """Issue the unit's all-gather if it is not gathered or gathering already (``phase``:
+        for a forward, a backward, or neither)."""
         if self.state is not UnitState.SHARDED:
             return
         self.state = UnitState.GATHERING
-        backward = gather_phase(why) == "backward gather"
-        if self.post_forward_shard is not None and not backward:
+        if self.post_forward_shard is not None and phase is not Phase.BACKWARD:
             self.post_forward_shard = None  # backward did not come for it (another forward)
         if self.mesh.world_size == 1 or not self.params:
             # Nothing to move: the shards are whole parameters (an empty unit has nothing
@@ -328,8 +261,8 @@ class CommUnit(ReduceGrads):
         s = self.streams
         pf = self.post_forward if self.post_forward_shard is not None else None
         comm = pf.comm if pf is not None else self.comm
-        pos = comm.position("all_gather", gather_phase(why), self.index)
-        if pos.phase == "unshard()":
+        pos = comm.position("all_gather", phase, self.index)
+        if phase is Phase.IDLE:
             s.gather_ready()  # outside a step's forward/backward: the optimizer may have run
         if pf is not None:  # the shard compute packed after forward (FSDP2's reshard event)
             s.gather_waits(self.post_forward_event)
@@ -354,18 +287,14 @@ class CommUnit(ReduceGrads):
         cast)."""
         parts = [t for g in self.groups for t in g.wire_parts()]
         write_dynamic_tag(parts[-1][-TAG_LEN:], pos)
-        if len(parts) == 1:
-            return parts[0]
-        if len({t.dtype for t in parts}) == 1:
-            return torch.cat(parts)
-        return torch.cat([t.view(torch.uint8) for t in parts])
+        return join_wire(parts)
 
-    def wait_for_unshard(self, why: str = "gather") -> None:
+    def wait_for_unshard(self, phase: Phase = Phase.IDLE) -> None:
         """Make the unit GATHERED: issue the gather if needed, wait for it, copy out, expose."""
         if self.state is UnitState.GATHERED:
             return
         if self.state is UnitState.SHARDED:
-            self.unshard(why)
+            self.unshard(phase)
         flight, self.gather_in_flight = self.gather_in_flight, None
         assert flight is not None
         if flight.pending is None:
@@ -380,7 +309,7 @@ class CommUnit(ReduceGrads):
             tails = self._copy_out(flight)
             # rule 2: the output (and a cast copy of the shard) may go once the copy-out has
             # read it; in forward one unit later, so the next all-gather need not wait for it
-            s.gathered([flight.out, flight.send], defer=why.startswith("forward"))
+            s.gathered([flight.out, flight.send], defer=phase is Phase.FORWARD)
             pf = self.post_forward if flight.post_forward else None
             me, group = (pf.rank, pf.comm.group) if pf else (self.mesh.rank, self.mesh.group)
             pos = flight.position
@@ -444,6 +373,220 @@ class CommUnit(ReduceGrads):
         )
         self.post_forward_event = self.streams.record_compute()
 
+    # -- reduce gradients (NOTE [Reducing on streams]) -------------------------------------
+    def accumulate_unsynced(self) -> None:
+        """NOTE [Accumulating without sync]: after a backward that does not reduce, keep the
+        gradients computed in a narrower dtype in the reduce dtype."""
+        for p in self.trainable:
+            u = p.unsharded
+            if u is None or u.grad is None or u.grad.dtype == self.reduce_dtype:
+                continue
+            grad = p.pop_grad()
+            assert grad is not None
+            kept = self.accumulated.get(id(p))
+            if kept is None:
+                self.accumulated[id(p)] = grad.to(self.reduce_dtype)
+            else:
+                kept += grad
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter the unit's unsharded gradients (asynchronously) and drop them."""
+        if not self.trainable:
+            return
+        self.finish_reduce()  # at most one reduce-scatter of a unit in flight
+        world, dtype, device = self.mesh.world_size, self.reduce_dtype, self.mesh.device
+        grads = [self._full_grad(p) for p in self.trainable]
+        present = [g is not None for g in grads]
+        pos, extra = None, None
+        if self.reduce_tags:
+            # NOTE [Which gradients exist] and [Collective positions]: every rank's block ends
+            # in this rank's presence bits and tag, so the sum says whether the ranks agreed
+            pos = self.comm.position("reduce_scatter", Phase.BACKWARD, self.index)
+            # in the gradients' dtype (0 and 1 are exact in any), so the pack needs no cast;
+            # contiguous, so that the pack keeps CUDA's single-kernel _chunk_cat path
+            bits = next((g.dtype for g in grads if g is not None), dtype)
+            extra = reduce_tag_row(pos, present, bits, device).expand(world, -1).contiguous()
+        # packed on the compute stream, where autograd made the gradients (rule 3)
+        full = self.grad_layout.pack_for_reduce(grads, dtype=dtype, device=device, extra=extra)
+        emulation.name_tensor(full, lambda: f"packed gradients of unit '{self.name}'")
+        del grads  # the packed copy is all we need: the full gradients go now
+        pre = self._pre_divide_factor()
+        if pre != 1:  # NOTE [Dividing the sum]: the gradient columns only; the tags stay exact
+            full[:, : self.grad_layout.shard_numel].div_(pre)
+        if world == 1 and self.comm.replicate_group is None:
+            # nothing to communicate: the full gradient is the shard, made on compute, and
+            # finishing it on compute costs no stream hand-over
+            self.reduce_in_flight = ReduceInFlight(None, full.view(-1), full, present, pos)
+            return
+        s, pending = self.streams, None
+        with s.begin_reduce():
+            if world == 1:
+                out = full.view(-1)  # HSDP with a one-rank shard group: only the all-reduce
+            else:
+                out = self.comm.reduce_buffer(full.shape[1], dtype, device)
+                emulation.name_tensor(out, lambda: f"reduce-scatter output of unit '{self.name}'")
+                pending = self.comm.reduce_scatter(out, full, pos)  # type: ignore[arg-type]
+        flight = ReduceInFlight(pending, out, full, present, pos)
+        if s.cuda:
+            # NOTE [Reducing on streams]: the whole reduction is queued now, in stream order
+            self._reduce_on_streams(flight)
+            flight.pending = None
+        self.reduce_in_flight = flight
+
+    def _full_grad(self, p: ShardedParam) -> torch.Tensor | None:
+        """The gradient to reduce (taken off the parameter): this backward's plus what was
+        accumulated without sync."""
+        grad = p.pop_grad()
+        kept = self.accumulated.pop(id(p), None)
+        if kept is None:
+            return grad
+        if grad is not None:
+            kept += grad
+        return kept
+
+    def _pre_divide_factor(self) -> int:
+        """NOTE [Dividing the sum]: what fp16 sums are divided by before the reduce-scatter."""
+        n = self.mesh.data_parallel_size
+        return pre_divide_factor(n, self.reduce_dtype, self.divide_factor)
+
+    def _reduce_on_streams(self, flight: ReduceInFlight) -> None:
+        """CUDA: the reduce-scatter's result, the HSDP all-reduce (on its own stream, issued at
+        once), the division and ``.grad``, queued in stream order without a host wait."""
+        s, layout = self.streams, self.grad_layout
+        shard = flight.out[: layout.shard_numel]
+        with s.on(s.reduce):
+            if flight.pending is not None:
+                flight.pending.wait()  # the reduce stream waits (NCCL); no host wait
+                check_reduce_tags(self.verdict, flight, self.trainable, self.mesh)
+            flight.reduced = s.record(s.reduce)  # rule 3: compute waits on this before reuse
+        last = s.reduce
+        summed: torch.Tensor | None = shard
+        if self.comm.replicate_group is not None:
+            summed = self._hsdp_sum(shard, on=s.all_reduce, after=flight.reduced)
+            last = s.all_reduce
+        if summed is not None:
+            with s.on(last):
+                self._finish_shard(summed, flight.present)
+        flight.done = s.record(last)  # the end of backward orders compute after it
+
+    def _hsdp_sum(
+        self, shard: torch.Tensor, on: object = None, after: Event | None = None
+    ) -> torch.Tensor | None:
+        """HYBRID / NO_SHARD: the shard's sum over the replicas (or, without all-reduce, kept
+        for the next one: NOTE [Accumulating without sync]); ``None`` when kept."""
+        s = self.streams
+        if on is not None:
+            on.wait_event(after)  # type: ignore[attr-defined]
+        with s.on(on):
+            if self.partial_reduce is not None:
+                shard += self.partial_reduce
+                self.partial_reduce = None
+            if not self.requires_all_reduce:
+                self.partial_reduce = shard
+                return None
+            # ordered after the reduce-scatter by the stream (gloo: by the host wait before)
+            self.comm.all_reduce_replicas(shard).wait()
+        return shard
+
+    def finish_reduce(self) -> None:
+        """Finish the unit's reduction: on gloo, wait for the reduce-scatter (and HSDP
+        all-reduce) and accumulate the averaged shard into ``.grad``; on CUDA, where that is
+        queued already, make compute wait before the packed input is reused (rule 3)."""
+        flight, self.reduce_in_flight = self.reduce_in_flight, None
+        if flight is None:
+            return
+        s, layout = self.streams, self.grad_layout
+        side = self.mesh.world_size > 1 or self.comm.replicate_group is not None
+        if s.cuda and side:
+            s.compute_waits(flight.reduced)  # not the all-reduce: the end of backward waits
+            # HSDP: the all-reduce stream still uses the reduce-scatter output (and, at one
+            # rank per shard group, the packed input it reduced in place): they are released
+            # only once compute has waited for it, at the end of backward
+            held = [flight.out, flight.full] if self.comm.replicate_group is not None else []
+            self._done_events.append((flight.done, held))
+            return
+        shard: torch.Tensor | None = flight.out[: layout.shard_numel]
+        with s.on(s.reduce if side else None):
+            if flight.pending is not None:
+                flight.pending.wait()  # gloo: host wait and the local sum
+                check_reduce_tags(self.verdict, flight, self.trainable, self.mesh)
+            if self.comm.replicate_group is not None and shard is not None:
+                shard = self._hsdp_sum(shard)
+            if shard is not None:
+                self._finish_shard(shard, flight.present)
+        if side:
+            s.compute_waits(s.record(s.reduce))
+        del flight
+
+    def end_reduces(self) -> None:
+        """End of backward (CUDA): compute waits for every reduction queued this backward."""
+        for event, _ in self._done_events:
+            self.streams.compute_waits(event)
+        self._done_events = []  # and the buffers held for the all-reduce stream go
+
+    def _finish_shard(self, shard: torch.Tensor, present: list[bool]) -> None:
+        if self.all_reduce_hook is not None:
+            self._run_all_reduce_hook(shard)
+        self._set_grads(shard, present)
+
+    def _run_all_reduce_hook(self, shard: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: ``hook(reduce_output)`` on the unit's summed shard (after
+        the HSDP all-reduce, else after the reduce-scatter), before the division; e.g. torchft
+        all-reduces it across replica groups there. On its own stream when one was given."""
+        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
+        assert hook is not None
+        if stream is None or not self.streams.cuda:
+            hook(shard)
+            return
+        here = current_stream(shard.device)
+        stream.wait_stream(here)
+        with use_stream(stream):
+            hook(shard)
+        here.wait_stream(stream)
+
+    def _set_grads(self, shard: torch.Tensor, present: list[bool]) -> None:
+        factor = (self.divide_factor or self.mesh.data_parallel_size) / self._pre_divide_factor()
+        if factor != 1:
+            shard.div_(factor)
+        # one cast per unit, on the device, before any copy to the host (NOTE [Dividing the sum])
+        dtypes = {p.sharded.dtype for p in self.trainable}
+        if len(dtypes) == 1 and shard.dtype not in dtypes:
+            shard = shard.to(dtypes.pop())
+        if self.offload:
+            shard = self._to_host(shard)
+        for j, p in enumerate(self.trainable):
+            if not present[j]:
+                continue  # NOTE [Which gradients exist]
+            g = self.grad_layout.shard_view(shard, j, self.mesh.rank)
+            if g.dtype != p.sharded.dtype:
+                g = g.to(p.sharded.dtype)  # a mixed-dtype unit (NOTE [Mixed-dtype units])
+            p.add_grad(g)  # a DTensor gradient over these rows
+            # NOTE [Post-accumulate-grad hooks on sharded parameters]
+            for hook in post_accumulate_hooks(p):
+                hook(p.sharded)
+
+    def _to_host(self, shard: torch.Tensor) -> torch.Tensor:
+        """Offload: the gradient shard goes to host memory; with pinned memory the copy is
+        asynchronous and the end of backward waits for it (``take_offload_event``)."""
+        if (
+            not self.pin_memory
+            or any(p.sharded.grad is not None for p in self.trainable)
+            or any(post_accumulate_hooks(p) for p in self.trainable)
+        ):
+            return shard.to("cpu")  # accumulating on the host (or a hook) needs the values now
+        host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
+        emulation.name_tensor(host, lambda: f"gradient shard of unit '{self.name}' (pinned host)")
+        host.copy_(shard, non_blocking=True)
+        # recorded on the stream doing the copy (the reduce stream, or compute)
+        self._offload_event = current_stream(shard.device).record_event()
+        return host
+
+    def take_offload_event(self) -> bool:
+        """Whether a copy of gradients to pinned host memory was queued since the last call
+        (the end of backward then makes the host wait for it, once for every unit)."""
+        queued, self._offload_event = self._offload_event is not None, None
+        return queued
+
     @property
     def gathered(self) -> bool:
         """True while gathered memory is held (in flight or complete)."""
@@ -451,6 +594,3 @@ class CommUnit(ReduceGrads):
 
     def __repr__(self) -> str:
         return f"CommUnit({self.name!r}, params={len(self.params)}, state={self.state.value})"
-
-
-__all__ = ["CommUnit", "GatherInFlight", "ReduceInFlight", "UnitState", "gather_phase"]

@@ -57,9 +57,9 @@ from torch import nn
 
 from fullshard.engine.param import local_of
 from fullshard.engine.schedule import Point, StepSchedule
-from fullshard.engine.sharding import step_schedule, subscribe
 from fullshard.engine.unit import CommUnit
-from fullshard.policies import MEMORY_CATEGORIES, STEP_PHASES
+from fullshard.engine.view import UnitView, step_schedule, subscribe, units
+from fullshard.policies import MEMORY_CATEGORIES, STEP_PHASES, Phase
 
 __all__ = ["MemoryTracker", "profiler_live_peak"]
 
@@ -85,50 +85,6 @@ class _Ledger:
         return total
 
 
-def _params(units: list[CommUnit]) -> Iterable[torch.Tensor]:
-    for u in units:
-        for g in u.groups:
-            yield g.flat
-        for p in u.params:
-            if p.sharded is not None:
-                yield p.sharded  # its shard: the flat buffer, unless _apply replaced it
-
-
-def _gathered(units: list[CommUnit]) -> Iterable[torch.Tensor | None]:
-    for u in units:
-        for g in u.groups:
-            yield g.storage.flat  # 0 bytes while freed; the shards themselves when aliased
-        yield u.post_forward_shard
-
-
-def _gradients(units: list[CommUnit]) -> Iterable[torch.Tensor | None]:
-    for u in units:
-        for p in u.trainable:
-            if p.unsharded is not None:
-                yield p.unsharded.grad
-            if p.sharded is not None:
-                yield p.sharded.grad
-                local = getattr(p.sharded, "_fullshard_local", None)  # NOTE [Local optimizer steps]
-                yield local.grad if local is not None else None
-        yield from u.accumulated.values()
-        yield u.partial_reduce
-
-
-def _comm(units: list[CommUnit]) -> Iterable[torch.Tensor | None]:
-    for u in units:
-        gather = u.gather_in_flight
-        if gather is not None:
-            yield gather.out
-            yield gather.send  # a cast copy of the shard (else the shard: counted already)
-        reduce = u.reduce_in_flight
-        if reduce is not None:
-            yield reduce.full
-            yield reduce.out
-            if reduce.pending is not None:
-                yield from reduce.pending.buffers
-        yield from u.streams.held_buffers  # CUDA: the last forward gather's, one unit longer
-
-
 class MemoryTracker:
     """Tracks :data:`~fullshard.policies.MEMORY_CATEGORIES` for one sharded root;
     ``peaks[phase][category]`` (and ``peaks[phase]["total"]``) in bytes."""
@@ -138,6 +94,7 @@ class MemoryTracker:
             p: dict.fromkeys((*MEMORY_CATEGORIES, "total"), 0) for p in STEP_PHASES
         }
         self._schedule: StepSchedule | None = None
+        self._units: list[UnitView] = []
         self._optimizer: torch.optim.Optimizer | None = None
         # weak references to the tensors saved for backward: a storage is live while autograd
         # still holds a tensor saved on it (backward releases them as it goes)
@@ -151,15 +108,18 @@ class MemoryTracker:
     def current(self) -> dict[str, int]:
         """Live bytes per category right now, each storage counted once."""
         assert self._schedule is not None
-        units = self._schedule.units
         ledger = _Ledger()
+
+        def held(category: str) -> int:
+            return ledger.take(t for v in self._units for t in v.buffers(category))
+
         # the order decides where a shared storage goes (NOTE [Counting each storage once])
         now = {
-            "sharded_params": ledger.take(_params(units)),
-            "gathered_window": ledger.take(_gathered(units)),
-            "gradients": ledger.take(_gradients(units)),
+            "sharded_params": held("sharded_params"),
+            "gathered_window": held("gathered_window"),
+            "gradients": held("gradients"),
             "optimizer_state": ledger.take(self._optimizer_state()),
-            "comm_buffers": ledger.take(_comm(units)),
+            "comm_buffers": held("comm_buffers"),
             "activations": ledger.take(self._live_saved()),
         }
         return {c: now[c] for c in MEMORY_CATEGORIES}
@@ -175,9 +135,10 @@ class MemoryTracker:
             self._saved = [weakref.ref(t) for t in live]
         return live
 
-    def sample(self, phase: str) -> dict[str, int]:
+    def sample(self, phase: Phase) -> dict[str, int]:
+        """Take a sample now and raise ``phase``'s peaks to it; returns the sample."""
         now = self.current()
-        peak = self.peaks[phase]
+        peak = self.peaks[phase.value]
         for k, v in now.items():
             peak[k] = max(peak[k], v)
         peak["total"] = max(peak["total"], sum(now.values()))
@@ -202,9 +163,10 @@ class MemoryTracker:
             self._saved.clear()
         if point is Point.BACKWARD_DONE:
             self._saved.clear()  # backward has released every saved tensor
-        phase = point.pass_name
+        phase = point.phase
         if point is Point.FREE:
-            phase = "backward" if self._schedule and self._schedule.backward_started else "forward"
+            backward = self._schedule is not None and self._schedule.backward_started
+            phase = Phase.BACKWARD if backward else Phase.FORWARD
         self.sample(phase)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -212,7 +174,7 @@ class MemoryTracker:
         # saved weight adds nothing (NOTE [Counting each storage once])
         self._saved.append(weakref.ref(t))
         if self._after_forward:  # the loss (NOTE [The loss's activations])
-            self.sample("forward")
+            self.sample(Phase.FORWARD)
         return t
 
     def attach(
@@ -220,6 +182,7 @@ class MemoryTracker:
     ) -> MemoryTracker:
         """Start tracking ``model`` (a sharded root, after its first forward) and its optimizer."""
         self._schedule = step_schedule(model)
+        self._units = units(model)
         self._optimizer = optimizer
         self._handles = [subscribe(model, self._on_point)]
 
@@ -240,7 +203,7 @@ class MemoryTracker:
 
             def around_step(*_: Any) -> None:  # must return None: a value replaces step's args
                 self._hooks_off()
-                self.sample("optimizer")
+                self.sample(Phase.OPTIMIZER)
 
             self._handles += [
                 optimizer.register_step_pre_hook(around_step),
@@ -251,15 +214,11 @@ class MemoryTracker:
     def detach(self) -> None:
         self._hooks_off()
         self._schedule = None
+        self._units = []
         for h in self._handles:
             h.remove()
         self._handles = []
         self._saved.clear()
-
-    def reset_peaks(self) -> None:
-        for peak in self.peaks.values():
-            for k in peak:
-                peak[k] = 0
 
     @property
     def peak_total(self) -> int:

@@ -67,7 +67,7 @@ class Recorder:
         if self._schedule is not None:
             self._schedule.stats.poll()
         now = time.perf_counter()
-        phase = point.pass_name
+        phase = point.phase.value
         if point in (Point.FORWARD_START, Point.BACKWARD_START):
             self._open[(phase, unit.name)] = now
         elif point in (Point.FORWARD_END, Point.BACKWARD_END):

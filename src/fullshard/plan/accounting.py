@@ -241,10 +241,6 @@ class Plan:
     def comm_units(self) -> float:
         return sum(c.units for c in self.comm)
 
-    def category_peaks(self) -> dict[str, float]:
-        """Each category's peak over the whole step."""
-        return {c: max(getattr(p, c) for p in self.phases.values()) for c in MEMORY_CATEGORIES}
-
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict (bytes as numbers)."""
         out = asdict(self)

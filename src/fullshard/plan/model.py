@@ -23,8 +23,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from fullshard.comm.desync import TAG_LEN
 from fullshard.engine.sharding import UnitPlan, plan_sharding
+from fullshard.engine.unit_parts import unit_layout
 from fullshard.plan.accounting import (
     DTYPE_BYTES,
     Plan,
@@ -79,11 +79,10 @@ def model_units(
         shapes = [local.get(n, p.shape) if p.dim() else torch.Size([1])
                   for n, p in zip(unit.params, params, strict=True)]  # fmt: skip
         trainable = [s for s, p in zip(shapes, params, strict=True) if p.requires_grad]
-        # the engine's layout: each rank's shard ends in the all-gather's position tags
+        # the engine's own layout of a unit (whatever its shard carries besides the rows)
         dims = [(shard_dims or {}).get(n, 0) for n in unit.params]
         grads = [d for d, p in zip(dims, params, strict=True) if p.requires_grad]
-        tags = TAG_LEN if shard_group > 1 else 0
-        layout = FlatLayout(shapes, shard_group, tail=tags, dims=dims)
+        layout = unit_layout(shapes, shard_group, dims)
         grad_layout = FlatLayout(trainable, shard_group, dims=grads)
         act, inp, tail, loss = (activations or {}).get(i, (0.0, 0.0, 0.0, 0.0))
         out.append(

@@ -136,7 +136,7 @@ class FlatLayout:
     ``tail`` extra elements end each rank's flat shard: room for the all-gather's position tags
     (NOTE [Collective positions]); they are not part of any parameter. ``pad_to`` rounds each
     rank's shard up to a multiple of that many elements (a gap before the tail), so that shards
-    of several dtypes can share one byte buffer aligned (engine/shards.py).
+    of several dtypes can share one byte buffer aligned (engine/param.py).
     """
 
     def __init__(

@@ -1,0 +1,227 @@
+"""The parts of a unit that are not its lifecycle (layer 6): its states, the records of its
+collectives in flight, how its parameters form dtype groups, and the pure arithmetic of its
+gradient reduction. ``CommUnit`` (``unit.py``) runs the lifecycle; nothing here communicates,
+waits or touches a stream.
+
+NOTE [Mixed-dtype units]
+Parameters of several dtypes in one unit (fp32 LoRA adapters on a bf16 base) form one
+``ShardGroup`` per dtype, each with its flat buffer and gathered storage. They still travel in
+one all-gather: the groups' (cast) shards are concatenated, in the compute dtype when the policy
+gives every group the same one, else as bytes (each group padded to 16 bytes so every dtype stays
+aligned). Gradients are reduced in one dtype, so a unit whose trainable parameters compute in
+different dtypes needs ``MixedPrecisionPolicy(reduce_dtype=...)``. Parameters gathered through
+all-gather extension hooks (float8 weights) form groups of their own after the others, and send
+what their hooks return, as bytes (NOTE [All-gather extensions] in extension.py): the unit still
+moves in one all-gather.
+
+NOTE [Dividing the sum]
+The sum over N data-parallel ranks is divided by N once, after the reduction, in the reduce
+dtype: in float32 that makes 2 ranks bitwise equal to one process's ``(g0 + g1) / 2``. A float16
+sum of N gradients can overflow, so fp16 sums are pre-divided by a power of two p near sqrt(N)
+(exact: a power of two) and post-divided by N / p, as FSDP2 does. The reduced shard is then cast
+to the parameters' dtype once per unit, on the device, before any copy to host memory: casting
+the pinned host copy instead read it before the device had written it (issue 17, defect 1).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fullshard.comm.collectives import Comm, Pending
+from fullshard.comm.desync import TAG_BITS, TAG_LEN, Position, Verdict
+from fullshard.comm.mesh import MeshInfo
+from fullshard.engine.extension import ExtensionGroup, has_extension_hooks
+from fullshard.engine.param import ShardedParam, ShardGroup
+from fullshard.engine.streams import Event
+from fullshard.policies import FullshardError, MixedPrecisionPolicy
+from fullshard.shard.layout import FlatLayout
+
+
+class UnitState(enum.Enum):
+    """See NOTE [Unit states] (unit.py)."""
+
+    # Only shards are held; modules see the sharded parameters.
+    SHARDED = "sharded"
+    # An all-gather is in flight; modules still see the shards.
+    GATHERING = "gathering"
+    # The gathered storage is allocated and filled; modules see the gathered parameters.
+    GATHERED = "gathered"
+
+
+@dataclass
+class GatherInFlight:
+    """An all-gather between ``unshard`` and ``wait_for_unshard``; ``None`` fields: no
+    collective (a one-rank shard group, or an aliased/empty unit)."""
+
+    pending: Pending | None
+    out: torch.Tensor | None  # rank-major output, allocated on the gather stream
+    send: torch.Tensor | None  # what the collective reads (a cast copy, or the shard itself)
+    position: Position | None
+    post_forward: bool = False  # gathered over the post-forward group
+
+
+@dataclass
+class ReduceInFlight:
+    """A reduce-scatter between ``reduce_grads`` and ``finish_reduce``."""
+
+    pending: Pending | None
+    out: torch.Tensor  # this rank's summed block (its shard, then the extra columns)
+    full: torch.Tensor  # the packed input, held until compute has waited for the collective
+    present: list[bool]
+    position: Position | None
+    reduced: Event | None = None  # CUDA: the reduce stream after the reduce-scatter
+    done: Event | None = None  # CUDA: the last stream of the reduction, after ``.grad``
+
+
+@dataclass
+class PostForward:
+    """NOTE [Resharding to a smaller group] (unit.py): the group, this rank in it, the unit's
+    layout there."""
+
+    size: int
+    rank: int
+    comm: Comm
+    layout: FlatLayout
+
+
+def tag_tail(world: int) -> int:
+    """Elements a unit's all-gather shard ends in: the position tag, when there is another rank
+    to compare with (NOTE [Collective positions])."""
+    return TAG_LEN if world > 1 else 0
+
+
+def unit_layout(shapes: list[torch.Size], world: int, dims: list[int] | None = None) -> FlatLayout:
+    """The flat layout of a one-dtype unit's parameters over ``world`` ranks, as the engine
+    gathers it (tag included): what the planner sizes a unit's shard and gather by."""
+    return FlatLayout(shapes, world, tail=tag_tail(world), dims=dims)
+
+
+def make_groups(
+    params: list[ShardedParam],
+    originals: list[torch.Tensor],
+    mesh: MeshInfo,
+    mp_policy: MixedPrecisionPolicy,
+    shard_device: torch.device,
+    pin_memory: bool,
+    unit_name: str,
+) -> list[ShardGroup]:
+    """NOTE [Mixed-dtype units]: one group per dtype, widest first (alignment in bytes), then
+    one per dtype of the parameters gathered through extension hooks; the last group carries
+    the position tag."""
+
+    def width(d: torch.dtype) -> int:
+        return -torch.empty((), dtype=d).element_size()
+
+    kinds: list[tuple[bool, torch.dtype]] = []
+    for ext in (False, True):
+        dtypes = {t.dtype for t in originals if has_extension_hooks(t) == ext}
+        kinds += [(ext, d) for d in sorted(dtypes, key=width)]
+    kinds = kinds or [(False, torch.float32)]
+    groups: list[ShardGroup] = []
+    for i, (ext, dtype) in enumerate(kinds):
+        pairs = [
+            (p, t)
+            for p, t in zip(params, originals, strict=True)
+            if t.dtype == dtype and has_extension_hooks(t) == ext
+        ]
+        members = [p for p, _ in pairs]
+        compute = mp_policy.param_dtype or dtype
+        # the tag ends the last group, so it ends what is sent
+        tail = tag_tail(mesh.world_size) if i == len(kinds) - 1 else 0
+        args = (members, dtype, compute, mesh, shard_device, pin_memory)
+        if ext:
+            g: ShardGroup = ExtensionGroup(*args, tail, [t for _, t in pairs], mp_policy)
+        else:
+            g = ShardGroup(*args, tail, align=len(kinds) > 1)
+        g.unit_name = unit_name
+        groups.append(g)
+    return groups
+
+
+def reduce_dtype_of(
+    groups: list[ShardGroup], mp_policy: MixedPrecisionPolicy, unit: str
+) -> torch.dtype:
+    """FSDP2's rule: ``reduce_dtype``, else the dtype gradients are computed in."""
+    if mp_policy.reduce_dtype is not None:
+        return mp_policy.reduce_dtype
+    computed = {g.compute_dtype for g in groups if any(p.requires_grad for p in g.params)}
+    if len(computed) > 1:
+        raise FullshardError(
+            f"unit '{unit}' has trainable parameters computed in "
+            f"{sorted(str(d) for d in computed)}; their gradients are reduced in one "
+            "collective of one dtype. Pass MixedPrecisionPolicy(reduce_dtype=torch.float32) "
+            "(or a param_dtype for the whole unit), or freeze the parameters of one dtype."
+        )
+    return computed.pop() if computed else groups[0].compute_dtype
+
+
+def join_wire(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The groups' send parts as one buffer (NOTE [Mixed-dtype units]): the part itself when
+    alone, concatenated in their dtype when they share one, else as bytes."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({t.dtype for t in parts}) == 1:
+        return torch.cat(parts)
+    return torch.cat([t.view(torch.uint8) for t in parts])
+
+
+def pre_divide_factor(n: int, reduce_dtype: torch.dtype, divide_factor: float | None) -> int:
+    """NOTE [Dividing the sum]: fp16 sums of ``n`` ranks are pre-divided by a power of two near
+    sqrt(n), as FSDP2 does, so that n gradients cannot overflow; other dtypes (and a custom
+    divide factor) divide after the sum (exact against one process in fp32)."""
+    if reduce_dtype is not torch.float16 or divide_factor is not None or n <= 1:
+        return 1
+    pre = 1
+    while n % (pre * 2) == 0 and n // (pre * 2) >= pre * 2:
+        pre *= 2
+    return pre
+
+
+def post_accumulate_hooks(p: ShardedParam) -> list[Callable[[torch.Tensor], None]]:
+    """NOTE [Post-accumulate-grad hooks on sharded parameters]
+    ``register_post_accumulate_grad_hook`` on a sharded parameter (the optimizer-in-backward
+    pattern: step each parameter as soon as its gradient exists) never fires by itself: autograd
+    accumulates into the gathered parameter, not the shard. As FSDP2 does, the unit calls those
+    hooks itself, once per parameter per reduction, right after the reduced (and, under HSDP,
+    all-reduced) shard became ``.grad``."""
+    hooks = getattr(p.sharded, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
+def refuse_regrouping(
+    groups: list[ShardGroup], unit: str, what: str, *, one_dtype: bool = False
+) -> None:
+    """``what`` (an int ``reshard_after_forward``, a cast after ``fully_shard``) rebuilds or
+    regroups a unit's shards: refused for the groups it cannot handle."""
+    if any(g.extension for g in groups):
+        raise FullshardError(
+            f"unit '{unit}' has parameters gathered through all-gather extension hooks (tensor "
+            f"subclasses, e.g. float8 weights); {what} is not supported for them (nor in torch "
+            "FSDP2). Pass reshard_after_forward as True or False, and cast the model before "
+            "calling fully_shard."
+        )
+    if one_dtype and len(groups) > 1:
+        raise FullshardError(
+            f"unit '{unit}' mixes dtypes; reshard_after_forward as an int is supported "
+            "for units of one dtype. Pass True or False, or shard the parts separately."
+        )
+
+
+def check_reduce_tags(
+    verdict: Verdict, flight: ReduceInFlight, trainable: list[ShardedParam], mesh: MeshInfo
+) -> None:
+    """Hand a reduce-scatter's presence bits and tag to the verdict (NOTE [Which gradients
+    exist] in unit.py): every rank's block before the sum (gloo), else the summed columns."""
+    if flight.position is None:
+        return
+    names = [p.fqn for p in trainable]
+    k = len(names) + TAG_BITS  # presence bits, then tag bits
+    rows = flight.pending.rows if flight.pending is not None else None
+    if rows is not None:  # gloo: every rank's block, before the sum
+        verdict.reduce_rows(rows[:, -k:], mesh.rank, flight.position, mesh.group, names)
+    else:
+        verdict.reduce_sums(flight.out[-k:], mesh.world_size, flight.position, mesh.group, names)
