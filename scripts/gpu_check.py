@@ -37,7 +37,6 @@ import argparse
 import fnmatch
 import json
 import math
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -59,10 +58,12 @@ import gpu_check_ranks as ranks  # noqa: E402
 import gpu_checks_cuda as cuda_checks  # noqa: E402
 import torch  # noqa: E402
 
+# the spawn and merge of a group live below this driver (the csan child runs groups too);
+# merge is named here for the tests
+from gpu_checks_cuda import merge, run_group  # noqa: E402, F401
+
 QUICK = ("cli.train", "cli.resume", "cli.convert", "*2.parity.full_shard", "*2.checkpoint")
 CLI_TIMEOUT_S = 300.0  # one CLI command (torchrun and its ranks included)
-GROUP_TIMEOUT_S = 360.0  # one spawned group, all its checks
-COLLECTIVE_TIMEOUT_S = 120.0  # any one wait inside a group (a dead peer fails, never hangs)
 CSAN_TIMEOUT_S = 240.0  # one sanitizer subprocess (its group's spawn included)
 FAKE_TIMEOUT_S = 180.0  # the fake-group subprocess
 FAKE_WORLD = 8
@@ -307,74 +308,6 @@ def all_names(cpu: bool) -> list[str]:
     names += [f"csan.{b}{w}" for b, _, w in csan_groups(cpu)]
     names += [f"fake{FAKE_WORLD}.{c}" for c in cuda_checks.FAKE_CHECKS]
     return names
-
-
-def run_group(
-    backend: str,
-    device_type: str,
-    world: int,
-    checks: list[str],
-    work: Path,
-    deadline: float,
-    *,
-    target: Callable[..., None] = ranks.run_group_rank,
-    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
-) -> list[tuple[str, bool, str, float]]:
-    """Spawn the group's ranks, wait (bounded), merge their verdicts (all ranks must pass).
-    ``target``: the ranks' function (``gpu_check_ranks``'s, or ``gpu_checks_cuda.run_rank``)."""
-    prefix = f"{backend}{world}."
-    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=work))
-    outs = [str(folder / f"rank{r}.json") for r in range(world)]
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=target,
-            args=(
-                r,
-                world,
-                backend,
-                device_type,
-                str(folder / "store"),
-                outs[r],
-                checks,
-                collective_timeout_s,
-            ),  # fmt: skip
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = min(deadline, time.monotonic() + GROUP_TIMEOUT_S)
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    late = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    per_rank = [json.loads(Path(o).read_text()) if Path(o).is_file() else [] for o in outs]
-    return merge(prefix, checks, per_rank, late)
-
-
-def merge(
-    prefix: str, checks: list[str], per_rank: list[list[dict[str, Any]]], late: list[int]
-) -> list[tuple[str, bool, str, float]]:
-    """One verdict per check from every rank's: a PASS needs every rank's; a FAIL names the
-    ranks that failed or never reported (``late``: ranks killed at the time limit)."""
-    results = []
-    for name in checks:
-        got = [next((v for v in vs if v["name"] == name), None) for vs in per_rank]
-        ok = all(v is not None and v["ok"] for v in got)
-        info = got[0]["info"] if got[0] is not None else "not run"
-        bad = [
-            f"rank {r}: {v['info'] if v else 'not run'}"
-            for r, v in enumerate(got)
-            if v is None or not v["ok"]
-        ]
-        if bad:
-            info = "; ".join(bad[:2]) + (f"; ranks {late} killed at the time limit" if late else "")
-        results.append((prefix + name, ok, info, max((v["s"] for v in got if v), default=0.0)))
-    return results
 
 
 class Report:

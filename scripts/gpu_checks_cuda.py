@@ -24,6 +24,10 @@
   and collectives ordered by stream (NCCL's path) rather than waited on the host;
   ``no_host_sync`` needs zero synchronisations (``fake_verdicts``). On CPU ``steps`` runs the
   steps alone and ``no_host_sync`` is a SKIP.
+
+The spawn of a group's ranks and the merge of their verdicts (``run_group``, ``merge``) live
+here too, not in the driver: the csan child runs a group itself, and ``gpu_check.py`` imports
+this module, so this module imports nothing of the driver's.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import argparse
 import contextlib
 import json
 import math
+import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -226,6 +231,80 @@ def run_rank(
     )
 
 
+# ---- a group of spawned ranks (gpu_check.py's groups and the csan child's) -----------------
+
+GROUP_TIMEOUT_S = 360.0  # one spawned group, all its checks
+COLLECTIVE_TIMEOUT_S = 120.0  # any one wait inside a group (a dead peer fails, never hangs)
+
+
+def run_group(
+    backend: str,
+    device_type: str,
+    world: int,
+    checks: list[str],
+    work: Path,
+    deadline: float,
+    *,
+    target: Callable[..., None] = ranks.run_group_rank,
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+) -> list[tuple[str, bool, str, float]]:
+    """Spawn the group's ranks, wait (bounded), merge their verdicts (all ranks must pass).
+    ``target``: the ranks' function (``gpu_check_ranks``'s, or ``gpu_checks_cuda.run_rank``)."""
+    prefix = f"{backend}{world}."
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=work))
+    outs = [str(folder / f"rank{r}.json") for r in range(world)]
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=target,
+            args=(
+                r,
+                world,
+                backend,
+                device_type,
+                str(folder / "store"),
+                outs[r],
+                checks,
+                collective_timeout_s,
+            ),  # fmt: skip
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = min(deadline, time.monotonic() + GROUP_TIMEOUT_S)
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    late = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    per_rank = [json.loads(Path(o).read_text()) if Path(o).is_file() else [] for o in outs]
+    return merge(prefix, checks, per_rank, late)
+
+
+def merge(
+    prefix: str, checks: list[str], per_rank: list[list[dict[str, Any]]], late: list[int]
+) -> list[tuple[str, bool, str, float]]:
+    """One verdict per check from every rank's: a PASS needs every rank's; a FAIL names the
+    ranks that failed or never reported (``late``: ranks killed at the time limit)."""
+    results = []
+    for name in checks:
+        got = [next((v for v in vs if v["name"] == name), None) for vs in per_rank]
+        ok = all(v is not None and v["ok"] for v in got)
+        info = got[0]["info"] if got[0] is not None else "not run"
+        bad = [
+            f"rank {r}: {v['info'] if v else 'not run'}"
+            for r, v in enumerate(got)
+            if v is None or not v["ok"]
+        ]
+        if bad:
+            info = "; ".join(bad[:2]) + (f"; ranks {late} killed at the time limit" if late else "")
+        results.append((prefix + name, ok, info, max((v["s"] for v in got if v), default=0.0)))
+    return results
+
+
 # ---- torch's CUDA sanitizer ---------------------------------------------------------------
 
 CSAN_MARK = "CSAN detected"
@@ -281,7 +360,6 @@ def csan_verdict(
 
 
 def _csan_main(args: argparse.Namespace) -> int:
-    import gpu_check  # the driver's spawn and merge of a group
     from gpu_checks_cuda import run_rank as target  # by module name, for the spawn's pickle
 
     if args.device == "cuda":
@@ -290,7 +368,7 @@ def _csan_main(args: argparse.Namespace) -> int:
         os.environ["TORCH_CUDA_SANITIZER"] = "1"
     names = [f"step.{c}" for c in step_configs(args.world)]
     work = Path(tempfile.mkdtemp(prefix="csan-", dir=args.work))
-    results = gpu_check.run_group(
+    results = run_group(
         args.backend, args.device, args.world, names, work,
         time.monotonic() + args.timeout, target=target, collective_timeout_s=60.0,
     )  # fmt: skip

@@ -86,7 +86,7 @@ TRAIN = [
     (["--resume", "missing"], "no such checkpoint"),
     # the model
     (["--model", "gpt9"], "--model: unknown model 'gpt9'"),
-    (["--model", "tiny", "--seq-len", "512"], "exceeds model 'tiny'"),
+    (["--model", "tiny", "--seq-len", "512"], "exceeds the 128-token context of model 'tiny'"),
     pytest.param(
         ["--model", "hf:gpt2-tiny", "--seq-len", "512"],
         "exceeds the 256-token context of model 'hf:gpt2-tiny'",
@@ -240,18 +240,22 @@ def test_malformed_flags_are_usage_errors(argv: list[str], capsys: pytest.Captur
     assert [line for line in err.splitlines() if ": error: " in line]  # argparse's one line
 
 
-@pytest.mark.parametrize(
-    ("command", "argv", "message"),
-    [
-        ("train", ["train", "--data", "empty.txt"], "the file is empty"),
-        ("train", ["train", "--resume", "latest", "--name", "exp"], "no committed checkpoint"),
-        ("trace", ["trace", "--model", "gpt9"], "unknown model 'gpt9'"),
-        ("bench", ["bench", "--variants", "zero3"], "unknown bench variant"),
-        ("plan", ["plan", "--check", "--devices", "2", "--model", "gpt9"], "unknown model"),
-        ("prepare", ["prepare", "empties", "--out", "o"], "no text to prepare"),
-        ("prepare", ["prepare", "binaries", "--out", "o"], "the folder holds no input files"),
-    ],
-)
+ENTRY_CASES = [
+    ("train", ["train", "--data", "empty.txt"], "the file is empty"),
+    ("train", ["train", "--resume", "latest", "--name", "exp"], "no committed checkpoint"),
+    ("trace", ["trace", "--model", "gpt9"], "unknown model 'gpt9'"),
+    ("bench", ["bench", "--variants", "zero3"], "unknown bench variant"),
+    ("plan", ["plan", "--check", "--devices", "2", "--model", "gpt9"], "unknown model"),
+    ("prepare", ["prepare", "empties", "--out", "o"], "no text to prepare"),
+    ("prepare", ["prepare", "binaries", "--out", "o"], "the folder holds no input files"),
+]
+# As a user runs them (a fresh interpreter, the console module): one command that launches
+# ranks and one that does not; every case again in this process below (each fresh
+# interpreter costs seconds of a suite that must stay short).
+CONSOLE_CASES = [ENTRY_CASES[0], ENTRY_CASES[5]]
+
+
+@pytest.mark.parametrize(("command", "argv", "message"), CONSOLE_CASES)
 def test_console_entry(command: str, argv: list[str], message: str, workdir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
@@ -261,6 +265,21 @@ def test_console_entry(command: str, argv: list[str], message: str, workdir: Pat
     )  # fmt: skip
     assert proc.returncode == 2
     _one_error(command, proc.stderr, proc.stdout, message)
+
+
+@pytest.mark.parametrize(("command", "argv", "message"), ENTRY_CASES)
+def test_entry_in_process(
+    command: str,
+    argv: list[str],
+    message: str,
+    workdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(workdir)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    _one_error(command, captured.err, captured.out, message)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,7 +332,7 @@ def test_resume_latest_passes_with_a_committed_checkpoint(workdir: Path) -> None
     step = workdir / "runs" / "exp" / "checkpoints" / "step_00000006"
     step.mkdir()
     cfg = TrainConfig(resume="latest", name="exp")
-    (step / "manifest.json").write_text("{}")
+    (step / "manifest.json").write_text('{"files": {}}')
     validate_train(cfg, 2)
     validate_train(TrainConfig(resume=str(step)), 2)  # a checkpoint folder itself
     validate_train(TrainConfig(resume=str(step.parent)), 2)  # a folder of them
@@ -356,3 +375,114 @@ def test_data_check_agrees_with_the_ranks(
             else:
                 with pytest.raises(ValueError, match="fewer than one batch"):
                     RankBatches(train, seq_len, micro, seed=0, rank=rank)
+
+
+# ----------------------------------------------------------------------------------------------
+# damaged checkpoints and the planner's numbers
+
+
+def _fake_checkpoint(workdir: Path) -> Path:
+    """A committed checkpoint of run ``exp`` on paper: DCP-named files and their manifest."""
+    from fullshard.checkpoint.store import write_manifest
+
+    step = workdir / "runs" / "exp" / "checkpoints" / "step_00000004"
+    step.mkdir()
+    (step / ".metadata").write_bytes(b"m" * 64)
+    for rank in range(2):
+        (step / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 256)
+    write_manifest(str(step), {"step": 4})
+    (workdir / "runs" / "exp" / "config.toml").write_text("# the run's own\n")
+    return step
+
+
+def _truncate(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("manifest", "manifest.json cannot be read as JSON"),
+        ("shard", "__1_0.distcp has 200 bytes, the manifest says 256 (truncated?)"),
+        ("missing", "__0_0.distcp is missing"),
+        ("table", "manifest.json has no valid table of files"),
+    ],
+)
+def test_damaged_checkpoint_is_refused_before_launch(
+    workdir: Path, damage: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    step = _fake_checkpoint(workdir)
+    if damage == "manifest":
+        _truncate(step / "manifest.json", 40)
+    elif damage == "shard":
+        _truncate(step / "__1_0.distcp", 200)
+    elif damage == "missing":
+        (step / "__0_0.distcp").unlink()
+    else:
+        (step / "manifest.json").write_text('{"files": {"__0_0.distcp": 256}}')
+    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    for argv in (["--resume", "latest", "--name", "exp"], ["--resume", str(step)]):
+        assert main(["train", *argv]) == 2
+        captured = capsys.readouterr()
+        _one_error("train", captured.err, captured.out, message)
+        assert f"--resume {argv[1]}: checkpoint " in captured.err
+    # convert names the same file
+    assert main(["convert", str(step), "out.safetensors"]) == 2
+    captured = capsys.readouterr()
+    _one_error("convert", captured.err, captured.out, message)
+    # nothing was written, deleted or changed (the run's config.toml included)
+    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+
+
+def test_an_intact_fake_checkpoint_passes_the_pre_launch_check(workdir: Path) -> None:
+    # the check that fails above is the manifest and the sizes, not anything else of the fake
+    _fake_checkpoint(workdir)
+    validate_train(TrainConfig(resume="latest", name="exp"), 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--params", "inf"], "--params inf is not a parameter count"),
+        (["--params", "nan"], "--params nan is not a parameter count"),
+        (["--params", "-5"], "--params -5.0 is not a parameter count"),
+        (["--params", "1e9", "--device-memory", "-80"], "--device-memory -80.0 is not a memory"),
+        (["--params", "1e9", "--device-memory", "inf"], "--device-memory inf is not a memory"),
+        (["--params", "1e9", "--reserve", "1.5"], "--reserve 1.5 is not a fraction"),
+        (["--params", "1e9", "--reserve", "nan"], "--reserve nan is not a fraction"),
+        (["--params", "1e9", "--layers", "0"], "--layers must be at least 1"),
+        (["--model", "tiny", "--seq", "0"], "--seq must be at least 1"),
+    ],
+)
+def test_plan_numbers(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--devices", "8", *argv]) == 2
+    captured = capsys.readouterr()
+    _one_error("plan", captured.err, captured.out, message)
+
+
+@pytest.mark.e2e
+def test_corrupted_checkpoint_found_on_the_ranks_is_one_message(tmp_path: Path) -> None:
+    """A bit flipped in ``.metadata`` keeps its size: the ranks' hashes find it. One message
+    from the launcher, status 2, no torchrun traceback, the run's config.toml as it was."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    common = [
+        sys.executable, "-m", "fullshard.app.cli", "train", "--model", "tiny", "--seq-len", "32",
+        "--batch-size", "4", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
+        "--runs-dir", str(tmp_path), "--name", "r", "--timeout", "60",
+    ]  # fmt: skip
+    run = subprocess.run([*common, "--max-steps", "1"], capture_output=True, text=True,
+                         timeout=240, env=env, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    meta = tmp_path / "r" / "checkpoints" / "step_00000001" / ".metadata"
+    data = bytearray(meta.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    meta.write_bytes(bytes(data))
+    config = (tmp_path / "r" / "config.toml").read_bytes()
+    proc = subprocess.run([*common, "--max-steps", "3", "--resume", "latest"],
+                          capture_output=True, text=True, timeout=240, env=env, check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    _one_error("train", proc.stderr, proc.stdout, ".metadata does not match its SHA-256")
+    assert "--resume latest: cannot load checkpoint" in proc.stderr
+    assert (tmp_path / "r" / "config.toml").read_bytes() == config
+    assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["step_00000001"]

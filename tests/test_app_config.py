@@ -18,8 +18,9 @@ from fullshard.app.config import (
     reshard_after_forward_arg,
     to_flags,
     to_toml,
-    validate,
 )
+from fullshard.app.dims import ParallelDims
+from fullshard.app.validate import validate_train as validate
 
 
 def resolve(argv: list[str]) -> TrainConfig:
@@ -30,7 +31,7 @@ def test_defaults_are_the_demo() -> None:
     cfg = resolve([])
     assert cfg == TrainConfig()
     assert (cfg.model, cfg.nproc, cfg.data, cfg.strategy) == ("demo", 2, None, "full_shard")
-    validate(cfg, world_size=2)
+    validate(cfg, 2)
 
 
 def test_toml_then_flags_precedence(tmp_path: Path) -> None:
@@ -89,7 +90,7 @@ def test_missing_config_file() -> None:
         (TrainConfig(model="gpt5"), 2, "unknown model 'gpt5'.*tiny, demo, small"),
         (TrainConfig(batch_size=16), 3, "not divisible by world size 3.*--batch-size 15 or 18"),
         (TrainConfig(batch_size=8, grad_accum=3), 2, "x --grad-accum 3 = 6"),
-        (TrainConfig(model="tiny", seq_len=4096), 2, "exceeds model 'tiny'"),
+        (TrainConfig(model="tiny", seq_len=4096), 2, "exceeds the 128-token context of model"),
         (TrainConfig(tokenizer="/no/tokenizer"), 2, "neither 'byte' nor a local"),
         (TrainConfig(max_steps=0), 2, "--max-steps must be at least 1"),
         (TrainConfig(val_fraction=1.0), 2, "--val-fraction"),
@@ -117,7 +118,7 @@ def test_backend_from_toml_and_flags(tmp_path: Path) -> None:
     assert (cfg.backend, cfg.device) == ("gloo", "cpu")
     assert resolve(["--config", str(path), "--backend", "auto"]).backend == "auto"
     assert load_toml_text(to_toml(cfg), tmp_path)["backend"] == "gloo"  # the run's config.toml
-    validate(cfg, world_size=2)
+    validate(cfg, 2)
 
 
 def load_toml_text(text: str, tmp_path: Path) -> dict:
@@ -164,3 +165,111 @@ def test_reshard_after_forward_words(word: str | None, value: bool | int | None)
 def test_reshard_after_forward_bad_words(word: str) -> None:
     with pytest.raises(ConfigError, match="is neither true, false nor a number of ranks"):
         reshard_after_forward_arg(word)
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    return build_parser()._subparsers._group_actions[0].choices[name]  # type: ignore[union-attr]
+
+
+def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
+    return parser._option_string_actions[flag]
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--model", "--strategy", "--shard-size", "--nproc", "--seq-len", "--device", "--backend",
+     "--threads", "--mixed-precision", "--timeout"],
+)  # fmt: skip
+def test_trace_and_bench_share_train_option_definitions(flag: str) -> None:
+    """One definition per option: the same type, choices and help text (the command's own
+    default aside, and bench's narrower words where noted)."""
+    train = _action(_subparser("train"), flag)
+    for command in ("trace", "bench"):
+        parser = _subparser(command)
+        if flag not in parser._option_string_actions:
+            continue
+        other = _action(parser, flag)
+        assert (other.type, other.choices) == (train.type, train.choices), command
+        if not (command == "bench" and flag in ("--mixed-precision", "--timeout")):
+            head = (train.help or "").split(" (default: ")[0]
+            assert (other.help or "").startswith(head), (command, other.help)
+    assert _subparser("trace").parse_args(["--backend", "gloo"]).backend == "gloo"
+    assert _subparser("bench").parse_args([]).timeout == 900.0  # bench's own default
+
+
+def test_shared_options_keep_their_checks() -> None:
+    with pytest.raises(SystemExit):  # train's choices: an unknown strategy is a usage error
+        _subparser("trace").parse_args(["--strategy", "zero3"])
+    assert _subparser("trace").parse_args([]).model == "small"
+
+
+@pytest.mark.parametrize(
+    ("dims", "dp", "local_dp", "group", "shape"),
+    [
+        (ParallelDims(8, 8), 8, 8, 8, (8,)),
+        (ParallelDims(8, 8, tp=2), 4, 4, 4, (4, 2)),
+        (ParallelDims(8, 4, strategy="hybrid_shard"), 8, 4, 4, (2, 4)),
+        (ParallelDims(8, 8, tp=2, strategy="hybrid_shard"), 4, 4, 2, (2, 2, 2)),
+        (ParallelDims(4, 4, strategy="no_shard"), 4, 4, 1, (4, 1)),
+        (ParallelDims(8, 8, strategy="hybrid_shard", shard_size=2), 8, 8, 2, (4, 2)),
+    ],
+)
+def test_parallel_dims(
+    dims: ParallelDims, dp: int, local_dp: int, group: int, shape: tuple[int, ...]
+) -> None:
+    assert (dims.dp, dims.local_dp, dims.shard_group(), dims.mesh_shape()) == (
+        dp, local_dp, group, shape,
+    )  # fmt: skip
+    assert dims.dp_rank(dims.world - 1) == dp - 1
+
+
+def test_parallel_dims_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert ParallelDims.from_env(4, tp=2) == ParallelDims(4, 4, 2)  # about to launch 4 here
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    dims = ParallelDims.from_env(4, tp=2, strategy="hybrid_shard")
+    assert (dims.world, dims.local_world, dims.dp, dims.shard_group()) == (16, 8, 8, 4)
+
+
+def _app_imports() -> dict[str, set[str]]:
+    """Module -> the fullshard.app modules it imports, at module level or inside functions."""
+    import ast
+
+    folder = Path(__file__).resolve().parents[1] / "src" / "fullshard" / "app"
+    names = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.startswith("fullshard.app."):
+                    deps.add(node.module.split(".")[2])
+                elif node.module == "fullshard.app":
+                    deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name.split(".")[2] for a in node.names
+                            if a.name.startswith("fullshard.app."))  # fmt: skip
+        graph[path.stem] = (deps & names) - {path.stem}
+    return graph
+
+
+def test_app_has_no_import_cycle() -> None:
+    graph = _app_imports()
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, "import cycle: " + " -> ".join((*path, name))
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, (*path, name))
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())
+    # the error type and the dimensions import no other app module; config only the error
+    assert graph["errors"] == set() and graph["dims"] == set()
+    assert graph["config"] == {"errors"}

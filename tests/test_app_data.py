@@ -11,12 +11,14 @@ from fullshard.app.data import (
     ByteTokenizer,
     RankBatches,
     build_tokenizer,
+    check_text_file,
     default_corpus,
     encode_corpus,
     eval_batches,
     load_text,
     split_for_rank,
 )
+from fullshard.app.errors import ConfigError
 
 
 def test_default_corpus_is_pythons_documentation() -> None:
@@ -46,6 +48,42 @@ def test_load_text_file_folder_and_missing(tmp_path: Path) -> None:
     empty.mkdir()
     with pytest.raises(ValueError, match="no text files"):
         load_text(str(empty))
+
+
+def test_compressed_or_binary_text_is_refused_naming_the_file(tmp_path: Path) -> None:
+    import gzip
+    import lzma
+
+    text = "the quick brown fox, naïve café\n" * 200
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "x.txt").write_bytes(lzma.compress(text.encode()))
+    (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 40)
+    for name, message in [
+        ("c.txt.gz", "c.txt.gz is gzip-compressed, not text: decompress it first"),
+        ("x.txt", "x.txt is xz-compressed"),
+        ("bin.txt", "bin.txt is not UTF-8 text"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_text(str(tmp_path / name))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text(text)
+    (folder / "b.md").write_bytes((tmp_path / "x.txt").read_bytes())
+    with pytest.raises(ConfigError, match="b.md is xz-compressed"):
+        load_text(str(folder))
+    # text with some invalid UTF-8 (12% replaced), Latin-1 prose and control-free bytes is text
+    (tmp_path / "mixed.txt").write_bytes(b"bad \xe2\x82\nbytes \xff\xfe end\r" * 300)
+    (tmp_path / "latin1.txt").write_bytes("café naïve über straße\n".encode("latin-1") * 100)
+    for name in ("mixed.txt", "latin1.txt"):
+        check_text_file(tmp_path / name)
+        assert "\ufffd" in load_text(str(tmp_path / name))
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_says_so(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(ConfigError, match="has no tokenizer.json") as info:
+        build_tokenizer(str(tmp_path))
+    assert "\n" not in str(info.value)  # one line, not transformers' several
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fullshard.app import launch
-from fullshard.app.config import ConfigError
+from fullshard.app.errors import ConfigError
 
 
 @pytest.fixture
@@ -134,3 +134,58 @@ def test_forward_flags_are_full_names_without_excluded() -> None:
     flags = launch.forward_flags(parser, args, exclude=("nproc",))
     assert flags == ["--seq-len=16", "--check", "--no-progress", "--prompt=-x"]
     assert parser.parse_args(flags).seq_len == 16  # the ranks read them back
+
+
+# ----------------------------------------------------------------------------------------------
+# the in-process torchrun agent: statuses the launcher turns the ranks' exits into
+
+FAKE_RANK = """\
+import os, sys, time
+from pathlib import Path
+
+mode, rank = sys.argv[2], os.environ["RANK"]
+if mode == "ok":  # the launcher validated: the ranks are told so
+    sys.exit(0 if os.environ.get("FULLSHARD_VALIDATED") == "1" else 9)
+if mode == "input-error":  # what fullshard.app.errors.report_error does on a rank
+    if rank == "1":
+        Path(os.environ["FULLSHARD_ERROR_MARKER"]).write_text("--resume latest: bad shard")
+    sys.exit(65)
+if mode == "crash":
+    sys.exit(3 if rank == "1" else 0)
+if mode == "preempted":
+    if rank == "0":
+        Path(os.environ["FULLSHARD_PREEMPT_MARKER"]).write_text('{"preempted_after": 2}')
+    sys.exit(75)
+time.sleep(120)  # "hang"
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "message"),
+    [
+        ("ok", 0, None),
+        ("input-error", 2, "fullshard fake: error: --resume latest: bad shard"),
+        ("crash", 1, "fullshard: rank 1 failed (exit status 3"),
+        ("preempted", 75, None),
+        ("hang", 124, "fullshard: launch timed out after 3 s"),
+    ],
+)
+def test_launcher_statuses(
+    tmp_path: Any, capfd: pytest.CaptureFixture[str], mode: str, status: int, message: str | None
+) -> None:
+    import os
+
+    (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(tmp_path)
+    before = dict(os.environ)
+    timeout = 3.0 if mode == "hang" else 120.0
+    got = launch.launch_local(2, ["fake", mode], module="fake_rank", env=env, timeout_s=timeout)
+    assert got == status
+    assert dict(os.environ) == before  # the ranks' environment was ours only while they ran
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    if message is not None:
+        assert message in err
+    if mode == "input-error":  # one message: the agent's "failed (exitcode: 65)" lines dropped
+        assert err.strip().splitlines() == [message], err

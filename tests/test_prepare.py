@@ -22,7 +22,6 @@ import torch
 import fullshard.app.corpus_stream as corpus_stream
 import fullshard.app.launch as launch_module
 from fullshard.app.cli import main
-from fullshard.app.config import ConfigError
 from fullshard.app.data import (
     ByteTokenizer,
     HFTokenizer,
@@ -32,6 +31,7 @@ from fullshard.app.data import (
     load_text,
     split_for_rank,
 )
+from fullshard.app.errors import ConfigError
 from fullshard.app.prepare import PrepareOptions, prepare
 from fullshard.app.token_shards import INDEX, TokenShards
 from fullshard.checkpoint.store import file_sha256
@@ -318,6 +318,132 @@ def test_missing_pyarrow_gives_the_install_hint(
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
     argv = ["prepare", str(tmp_path / "d.parquet"), "--out", str(tmp_path / "o")]
     _error(argv, capsys, "pip install 'fullshard[data]'")
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` and its bytes: what a refused command must leave as it was."""
+    return {str(f.relative_to(root)): f.read_bytes() for f in root.rglob("*") if f.is_file()}
+
+
+def test_prepare_refuses_a_folder_holding_someone_elses_index(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine\n")
+    for index in ('{"pages": [1, 2, 3]}\n', "[1, 2]\n", "not json at all"):  # a user's files
+        (theirs / INDEX).write_text(index)
+        before = _snapshot(theirs)
+        argv = ["prepare", str(corpus), "--out", str(theirs), "--no-progress"]
+        _error(argv, capsys, f"{theirs / INDEX} exists and was not written by fullshard prepare")
+        assert _snapshot(theirs) == before  # nothing deleted, nothing added
+    # an earlier prepare's folder is rebuilt as before
+    _prepare([corpus], tmp_path / "ours")
+    (corpus / "a.txt").write_text(_text(7, 100))
+    assert main(["prepare", str(corpus), "--out", str(tmp_path / "ours"), "--no-progress"]) == 0
+
+
+def test_prepare_bad_out_and_tokenizer_folders(
+    corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    afile = tmp_path / "afile.txt"
+    afile.write_text("keep me\n")
+    empty_tok = tmp_path / "tok"
+    empty_tok.mkdir()
+    broken_tok = tmp_path / "broken"
+    broken_tok.mkdir()
+    (broken_tok / "tokenizer.json").write_text("{not json")
+    out = tmp_path / "out"
+    cases = [
+        (["--out", f"{afile}/sub"], f"--out {afile}/sub cannot be created: {afile} is a file"),
+        (["--out", str(afile)], f"--out {afile} is a file: give a folder"),
+        (["--out", str(out), "--tokenizer", str(empty_tok)], "it has no tokenizer.json"),
+        (["--out", str(out), "--tokenizer", str(broken_tok)], "its tokenizer does not load"),
+    ]
+    if Path("/proc/self").is_dir():  # a file system nobody creates folders in, even root
+        cases.append((["--out", "/proc/fullshard-x"], "--out /proc/fullshard-x: cannot write"))
+    for flags, message in cases:
+        if "--tokenizer" in flags:
+            pytest.importorskip("transformers")
+        _error(["prepare", str(corpus), *flags, "--no-progress"], capsys, message)
+        assert afile.read_text() == "keep me\n" and not out.exists()
+        assert [p.name for p in empty_tok.iterdir()] == []
+
+
+def test_prepare_refuses_compressed_and_binary_inputs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import bz2
+    import gzip
+
+    jsonl = b'{"text": "hello world"}\n' * 50
+    files = {
+        "d.jsonl.gz": (gzip.compress(jsonl), "d.jsonl.gz is gzip-compressed, not text"),
+        "d.jsonl": (gzip.compress(jsonl), "d.jsonl is gzip-compressed"),  # whatever its name
+        "t.txt": (bz2.compress(jsonl), "t.txt is bzip2-compressed"),
+        "utf16.txt": ("hello world\n".encode("utf-16") * 20, "utf16.txt is not UTF-8 text"),
+        "random.md": (random.Random(0).randbytes(5000), "random.md is not UTF-8 text"),
+    }
+    out = tmp_path / "out"
+    os.chdir(tmp_path)
+    for name, (data, message) in files.items():
+        (tmp_path / name).write_bytes(data)
+        _error(["prepare", name, "--out", str(out), "--no-progress"], capsys, message)
+        assert not out.exists()
+    # in a folder, a compressed corpus file is skipped with a warning naming it
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text(_text(0, 50))
+    os.replace(tmp_path / "d.jsonl.gz", tmp_path / "mixed" / "d.jsonl.gz")
+    assert main(["prepare", "mixed", "--out", str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "skipping 1 compressed file(s) (e.g. mixed/d.jsonl.gz)" in err
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A committed one-rank checkpoint (a DCP save and its manifest, as the store writes them),
+    written in this process: no ranks are launched."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from fullshard.checkpoint.store import write_manifest
+
+    folder = tmp_path_factory.mktemp("ckpt") / "step_00000001"
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process, meant
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"model": {"w": torch.arange(6.0).reshape(2, 3)}}, checkpoint_id=folder, no_dist=True
+        )
+    write_manifest(str(folder))
+    return folder
+
+
+def test_convert_bad_output_paths(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import load_file
+
+    afile = tmp_path / "afile.txt"
+    afile.write_text("keep me\n")
+    named = tmp_path / "notes.safetensors"  # a user's file that merely has the name
+    named.write_text("not weights\n")
+    ck = str(checkpoint)
+    cases = [
+        ([f"{afile}/out.safetensors"], f"{afile} is a file, not a folder"),
+        ([str(afile)], f"{afile} is a file, not a folder"),  # a folder for model.safetensors
+        ([str(named)], f"{named} exists and is not a safetensors file"),
+    ]
+    if Path("/proc/self").is_dir():
+        cases.append((["/proc/x.safetensors"], "cannot create a file in /proc"))
+    for out, message in cases:
+        _error(["convert", ck, *out], capsys, message)
+        assert afile.read_text() == "keep me\n" and named.read_text() == "not weights\n"
+    # a good path works, and an earlier convert's output is replaced
+    good = tmp_path / "w.safetensors"
+    for _ in range(2):
+        assert main(["convert", ck, str(good)]) == 0
+        assert torch.equal(load_file(good)["w"], torch.arange(6.0).reshape(2, 3))
 
 
 def _train_argv(data: Path, *extra: str) -> list[str]:

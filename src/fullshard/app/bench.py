@@ -49,9 +49,7 @@ from torch import nn
 from fullshard import step_schedule
 from fullshard.app.bench_variants import (
     FULLSHARD_VARIANTS,
-    MIXED_PRECISION,
     VARIANTS,
-    C10dCounter,
     Variant,
     bench_step,
     build_variant,
@@ -60,8 +58,8 @@ from fullshard.app.bench_variants import (
     make_batches,
     parse_variants,
 )
+from fullshard.app.config import add_config_options
 from fullshard.app.launch import (
-    add_device_arguments,
     forward_flags,
     init_distributed,
     launch_local,
@@ -69,8 +67,8 @@ from fullshard.app.launch import (
     resolve_backend,
     under_torchrun,
 )
-from fullshard.app.models import MODEL_SIZES
 from fullshard.comm import control
+from fullshard.observe.c10d_counter import C10dCounter
 
 __all__ = [
     "FULLSHARD_VARIANTS",
@@ -87,23 +85,21 @@ MMAP_THRESHOLD = "65536"
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``fullshard bench`` (every user-facing one documented in ``--help``)."""
-    p.add_argument(
-        "--model",
-        default="small",
-        help=f"built-in model size ({', '.join(MODEL_SIZES)}) or hf:NAME (default: small, ~10M)",
-    )
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default: 2)")
+    """Options of ``fullshard bench`` (every user-facing one documented in ``--help``); those
+    it shares with ``fullshard train`` are train's own definitions (``add_config_options``)."""
+    add_config_options(p, "model", "nproc", defaults={"model": "small"})
     p.add_argument(
         "--batch-size", type=int, default=8, help="sequences per rank per step (default: 8)"
     )
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
-    p.add_argument(
-        "--mixed-precision",
-        default="none",
-        choices=MIXED_PRECISION,
-        help="bf16: fullshard and FSDP2 compute in bfloat16 and reduce gradients in float32, DDP "
-        "and single run under torch.autocast; master weights stay float32 (default: none)",
+    add_config_options(
+        p,
+        "seq_len",
+        "mixed_precision",
+        helps={
+            "mixed_precision": "bf16: fullshard and FSDP2 compute in bfloat16 and reduce "
+            "gradients in float32, DDP and single run under torch.autocast; master weights "
+            "stay float32"
+        },
     )
     p.add_argument(
         "--warmup", type=int, default=1, help="untimed rounds of every variant first (default: 1)"
@@ -121,18 +117,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "no_shard, hybrid_shard at >= 4 ranks, fsdp2, ddp, single)",
     )
     p.add_argument("--out", default="runs/bench", help="output folder (default: runs/bench)")
-    add_device_arguments(p)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default: 1)")
+    add_config_options(p, "device", "backend", "threads")
     p.add_argument(
         "--pin-cores",
         action="store_true",
         help="pin rank r to cores [r*threads, (r+1)*threads) when the machine has enough",
     )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=900.0,
-        help="seconds any one launch may run, and any collective may wait (default: 900)",
+    add_config_options(
+        p,
+        "timeout",
+        defaults={"timeout": 900.0},
+        helps={"timeout": "seconds any one launch may run, and any collective may wait"},
     )
     p.add_argument(
         "--no-memory",
@@ -240,7 +235,7 @@ def _time_all(args: argparse.Namespace, rank: int, world: int, device: torch.dev
         control.host_barrier(what="bench count barrier")
         if v.active and v.name != "single":
             # The dispatch mode slows every op a little: this step is counted, never timed.
-            with C10dCounter() as counter:
+            with C10dCounter(known_only=True) as counter:
                 _timed_step(v, batches[k], device)
             entry["c10d_bytes"] = dict(counter.bytes)
             entry["c10d_calls"] = dict(counter.calls)

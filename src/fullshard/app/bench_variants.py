@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fullshard.app.models import lm_loss
 
 __all__ = [
-    "C10D_KINDS",
     "FULLSHARD_VARIANTS",
     "VARIANTS",
-    "C10dCounter",
     "Variant",
     "bench_step",
     "build_variant",
@@ -55,22 +51,6 @@ FULLSHARD_VARIANTS = (
 VARIANTS = (*FULLSHARD_VARIANTS, "fsdp2", "ddp", "single")
 VOCAB = 256  # the built-in models' byte-level vocabulary
 MIXED_PRECISION = ("none", "bf16")
-
-# c10d op name -> collective kind. Bytes are the *full* buffer each collective covers: the
-# all-gather output, the reduce-scatter input, the all-reduce tensor (the model-unit convention).
-C10D_KINDS = {
-    "_allgather_base_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "allgather_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    # fullshard's reduce-scatter on gloo (NOTE [Reduce-scatter on gloo]): same bytes
-    "alltoall_base_": "all_to_all",
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "broadcast_": "broadcast",
-}
 
 
 def default_variants(nproc: int) -> list[str]:
@@ -197,24 +177,3 @@ def make_batches(
     return [
         torch.randint(VOCAB, (batch_size, seq_len + 1), generator=gen).to(device) for _ in range(n)
     ]
-
-
-class C10dCounter(TorchDispatchMode):
-    """Calls and bytes of every c10d collective dispatched while active (as tests/commcount.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: dict[str, int] = defaultdict(int)
-        self.bytes: dict[str, int] = defaultdict(int)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.namespace == "c10d" and func._opname in C10D_KINDS:
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            for a in args:
-                if isinstance(a, (list, tuple)):
-                    tensors += [t for t in a if isinstance(t, torch.Tensor)]
-            if tensors:
-                kind = C10D_KINDS[func._opname]
-                self.calls[kind] += 1
-                self.bytes[kind] += max(t.numel() * t.element_size() for t in tensors)
-        return func(*args, **(kwargs or {}))

@@ -21,8 +21,9 @@ from torch import nn
 
 from fullshard import get_state_dict, set_state_dict
 from fullshard.app.data import RankBatches
+from fullshard.app.errors import ConfigError
 from fullshard.checkpoint import CheckpointManager, latest_checkpoint
-from fullshard.checkpoint.store import MANIFEST
+from fullshard.checkpoint.store import MANIFEST, CheckpointCorrupt
 from fullshard.comm import control
 
 __all__ = ["RunState", "TrainCheckpoints"]
@@ -94,7 +95,14 @@ class TrainCheckpoints:
         """Load the checkpoint ``resume`` names; returns the step it was taken after."""
         folder = self.resolve(resume)
         state = self._state(0)  # the template DCP loads into (shards in place)
-        self.manager.load(state, folder)
+        try:
+            self.manager.load(state, folder)
+        except CheckpointCorrupt as exc:
+            # bad input, the same verdict on every rank (NOTE [Input errors on the ranks])
+            raise ConfigError(
+                f"--resume {resume}: {exc}. Nothing was changed: resume from an earlier "
+                "checkpoint (--resume PATH), or drop --resume"
+            ) from None
         set_state_dict(
             self.model,
             self.optimizer,

@@ -14,10 +14,14 @@ import os
 import sys
 import time
 
-from fullshard.app.config import ConfigError, add_train_arguments, config_from_args, to_flags
+from fullshard.app.config import add_train_arguments, config_from_args, to_flags
+from fullshard.app.errors import ConfigError
 from fullshard.policies import FullshardError
 
 __all__ = ["build_parser", "main"]
+
+# the subcommands build_parser defines (main fills in only the one it runs)
+COMMANDS = ("train", "convert", "prepare", "plan", "trace", "bench")
 
 TRAIN_EPILOG = """\
 examples:
@@ -31,8 +35,18 @@ summary.json.
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``fullshard`` argument parser with its subcommands."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``fullshard`` argument parser with its subcommands.
+
+    ``only``: fill in the arguments of that subcommand alone (the others keep their name and
+    help line). The argument definitions of prepare, plan, trace and bench live in modules that
+    import the engine, DTensor and torch.distributed.checkpoint (seconds); ``main`` parses one
+    known command, so ``fullshard train`` (the launcher) need not import them.
+    """
+
+    def fill(name: str) -> bool:
+        return only is None or only == name
+
     parser = argparse.ArgumentParser(
         prog="fullshard",
         description="Fully sharded data parallel training for PyTorch.",
@@ -47,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    add_train_arguments(train)
+    if fill("train"):
+        add_train_arguments(train)
     convert = sub.add_parser(
         "convert",
         help="sharded checkpoint -> one safetensors file (offline, no process group)",
@@ -56,15 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint is verified against its manifest first.",
         allow_abbrev=False,
     )
-    convert.add_argument(
-        "checkpoint", help="a checkpoint folder (step_N) or a folder of them (takes the newest)"
-    )
-    convert.add_argument("out", help="output .safetensors file, or a folder for model.safetensors")
-    convert.add_argument(
-        "--key", default="model", help="state-dict section holding the weights (default: model)"
-    )
-    _add_prepare_parser(sub)
-    _add_plan_parser(sub)
+    if fill("convert"):
+        convert.add_argument(
+            "checkpoint",
+            help="a checkpoint folder (step_N) or a folder of them (takes the newest)",
+        )
+        convert.add_argument(
+            "out", help="output .safetensors file, or a folder for model.safetensors"
+        )
+        convert.add_argument(
+            "--key",
+            default="model",
+            help="state-dict section holding the weights (default: model)",
+        )
+    _add_prepare_parser(sub, fill("prepare"))
+    _add_plan_parser(sub, fill("plan"))
     trace = sub.add_parser(
         "trace",
         help="record a few training steps per rank: timeline (JSON + PNG), exposed communication",
@@ -74,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
         "with the exposed (non-overlapped) communication time.",
         allow_abbrev=False,
     )
-    from fullshard.app.tracing import add_trace_arguments
+    if fill("trace"):
+        from fullshard.app.tracing import add_trace_arguments
 
-    add_trace_arguments(trace)
+        add_trace_arguments(trace)
     bench = sub.add_parser(
         "bench",
         help="step time, tokens/s, memory and communication: fullshard strategies vs FSDP2, DDP",
@@ -86,9 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
         "communication. Writes bench.json, bench.md and bench.png.",
         allow_abbrev=False,
     )
-    from fullshard.app.bench import add_bench_arguments
+    if fill("bench"):
+        from fullshard.app.bench import add_bench_arguments
 
-    add_bench_arguments(bench)
+        add_bench_arguments(bench)
     return parser
 
 
@@ -104,9 +127,9 @@ index.json exists (written last).
 """
 
 
-def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from fullshard.app.prepare import add_prepare_arguments
-
+def _add_prepare_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], fill: bool = True
+) -> None:
     prepare = sub.add_parser(
         "prepare",
         help="tokenize a corpus once, in parallel, into token shards that train memory-maps",
@@ -118,7 +141,10 @@ def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    add_prepare_arguments(prepare)
+    if fill:
+        from fullshard.app.prepare import add_prepare_arguments
+
+        add_prepare_arguments(prepare)
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -127,31 +153,76 @@ def _prepare(args: argparse.Namespace) -> int:
     return run_prepare(args)
 
 
-def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_plan_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], fill: bool = True
+) -> None:
+    description = (
+        "Predict per-device memory (the ZeRO ladder, gathered window, activations, "
+        "peak per phase) and communication per step, from a parameter count (analytic mode) or "
+        "a model definition built on the meta device (model mode), and recommend a strategy."
+    )
+    help_line = "per-device memory and communication of a sharded run, before you buy hardware"
+    if not fill:  # name and help line only (see build_parser): plan_cli imports the planner
+        sub.add_parser("plan", help=help_line, description=description, allow_abbrev=False)
+        return
+    from fullshard.app.plan_check import add_check_arguments
     from fullshard.app.plan_cli import PLAN_EPILOG, add_plan_arguments
 
     plan = sub.add_parser(
         "plan",
-        help="per-device memory and communication of a sharded run, before you buy hardware",
-        description="Predict per-device memory (the ZeRO ladder, gathered window, activations, "
-        "peak per phase) and communication per step, from a parameter count (analytic mode) or "
-        "a model definition built on the meta device (model mode), and recommend a strategy.",
+        help=help_line,
+        description=description,
         epilog=PLAN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     add_plan_arguments(plan)
-    from fullshard.app.plan_check import add_check_arguments
-
     add_check_arguments(plan)
 
 
 def _convert(args: argparse.Namespace) -> int:
     import os
+    import tempfile
+
+    from safetensors import SafetensorError
 
     from fullshard.checkpoint import convert, latest_checkpoint, verify
     from fullshard.checkpoint.store import MANIFEST
 
+    # The output is checked before the checkpoint is read (hashing a large one takes minutes),
+    # with convert's own rule: a .safetensors path is the file, anything else a folder for it.
+    out = (
+        args.out
+        if args.out.endswith(".safetensors")
+        else os.path.join(args.out, "model.safetensors")
+    )
+    above = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(above):
+        above = os.path.dirname(above)  # the nearest existing folder: the rest is created
+    if not os.path.isdir(above):
+        raise ConfigError(
+            f"output {args.out}: {above} is a file, not a folder: give a .safetensors file "
+            "name in a folder, or a folder (created if missing)"
+        )
+    try:
+        with open(out, "rb") as f:
+            head = f.read(9)
+    except OSError:  # none (the usual case), a folder, unreadable
+        head = b""
+    # a safetensors file starts with its header's length (8 bytes) and then a JSON object: only
+    # such a file (an earlier convert's) is replaced
+    if os.path.lexists(out) and not (len(head) == 9 and head[8:] == b"{"):
+        raise ConfigError(
+            f"output {args.out}: {out} exists and is not a safetensors file (it is left as it "
+            "is): give a new file name, or a folder"
+        )
+    try:  # a folder we may not write (permissions, a read-only or special file system)
+        tempfile.TemporaryFile(dir=above).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"output {args.out}: cannot create a file in {above} ({exc.strerror}): give a "
+            "folder you can write"
+        ) from None
     folder = args.checkpoint
     if not os.path.isfile(os.path.join(folder, MANIFEST)):
         folder = latest_checkpoint(folder)
@@ -160,17 +231,36 @@ def _convert(args: argparse.Namespace) -> int:
     problem = verify(folder)
     if problem:
         raise ConfigError(f"checkpoint {folder} failed verification: {problem}")
-    path = convert(folder, args.out, key=args.key)
+    try:
+        path = convert(folder, args.out, key=args.key)
+    except (OSError, SafetensorError) as exc:  # the disk filled up, the folder went away, ...
+        raise ConfigError(f"converting {folder} to {out} failed ({exc})") from None
     print(f"wrote {path} from {folder}")
     return 0
 
 
+def _validated_by_launcher() -> bool:
+    """True on a rank that ``launch_local`` started: its arguments were validated before launch
+    (one validation pass per launch), so the rank does not validate them again."""
+    from fullshard.app.dims import under_torchrun
+    from fullshard.app.errors import VALIDATED_ENV
+
+    return under_torchrun() and os.environ.get(VALIDATED_ENV) == "1"
+
+
 def _train(args: argparse.Namespace) -> int:
-    from fullshard.app.launch import launch_local, under_torchrun, world_size_from_env
-    from fullshard.app.validate import validate_train
+    from fullshard.app.dims import ParallelDims, under_torchrun
+    from fullshard.app.launch import launch_local
 
     cfg = config_from_args(args)
-    validate_train(cfg, world_size_from_env(cfg.nproc))
+    # the run's parallel dimensions, built once: validation, the launch and the trainer share it
+    dims = ParallelDims.from_env(
+        cfg.nproc, tp=cfg.tp, strategy=cfg.strategy, shard_size=cfg.shard_size
+    )
+    if not _validated_by_launcher():
+        from fullshard.app.validate import validate_train
+
+        validate_train(cfg, dims)
     if not under_torchrun():
         if cfg.name is None:  # named here, so that restarted ranks find the same run folder
             cfg.name = time.strftime("%Y%m%d-%H%M%S")
@@ -182,7 +272,7 @@ def _train(args: argparse.Namespace) -> int:
     from fullshard.app.preempt import PREEMPTED_EXIT
     from fullshard.app.trainer import train
 
-    summary = train(cfg)
+    summary = train(cfg, dims)
     # a stop signal (NOTE [Preemption]): checkpointed, unfinished, to be resumed
     return PREEMPTED_EXIT if summary.get("preempted_after") is not None else 0
 
@@ -200,7 +290,8 @@ def _plan(args: argparse.Namespace) -> int:
         )
         from fullshard.app.validate import validate_plan_check
 
-        validate_plan_check(args)
+        if not _validated_by_launcher():
+            validate_plan_check(args)
         if not under_torchrun():
             parser = argparse.ArgumentParser(allow_abbrev=False)
             add_plan_arguments(parser)
@@ -210,6 +301,9 @@ def _plan(args: argparse.Namespace) -> int:
         if os.environ["RANK"] == "0":
             print(check_json(res) if args.json else format_check(res), flush=True)
         return 0
+    from fullshard.app.validate import validate_plan
+
+    validate_plan(args)
     try:
         print(run(args))
     except ValueError as exc:
@@ -218,16 +312,15 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    from fullshard.app.launch import (
-        forward_flags,
-        launch_local,
-        under_torchrun,
-        world_size_from_env,
-    )
+    from fullshard.app.dims import ParallelDims
+    from fullshard.app.launch import forward_flags, launch_local, under_torchrun
     from fullshard.app.tracing import add_trace_arguments, run_trace
-    from fullshard.app.validate import validate_trace
 
-    validate_trace(args, world_size_from_env(args.nproc))
+    if not _validated_by_launcher():
+        from fullshard.app.validate import validate_trace
+
+        dims = ParallelDims.from_env(args.nproc, strategy=args.strategy, shard_size=args.shard_size)
+        validate_trace(args, dims)
     if not under_torchrun():
         # Full-name flags without --nproc, which torchrun's parser would claim (see forward_flags)
         parser = argparse.ArgumentParser(allow_abbrev=False)
@@ -252,7 +345,9 @@ def _bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fullshard`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    # Only the named command's arguments: the top parser has no options but -h, so argv[0] is
+    # the command when it names one; anything else (--help, a typo) gets the whole parser.
+    parser = build_parser(only=argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
@@ -267,8 +362,17 @@ def main(argv: list[str] | None = None) -> int:
             return _trace(args)
         if args.command == "bench":
             return _bench(args)
-    except (ConfigError, FullshardError) as exc:
-        # One line on stderr and status 2 (argparse's convention for usage errors), on every rank.
+    except ConfigError as exc:
+        # NOTE [Input errors on the ranks]: a rank our launcher started hands the message to it
+        from fullshard.app.dims import under_torchrun
+        from fullshard.app.errors import RANK_INPUT_EXIT, report_error
+
+        if under_torchrun() and report_error(str(exc)):
+            return RANK_INPUT_EXIT
+        # One line on stderr and status 2 (argparse's convention for usage errors).
+        print(f"fullshard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except FullshardError as exc:
         print(f"fullshard {args.command}: error: {exc}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command!r}")

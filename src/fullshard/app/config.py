@@ -2,8 +2,9 @@
 
 Precedence: dataclass defaults < ``--config FILE.toml`` < command-line flags. The argparse parser
 is generated from the dataclass fields (their ``help`` metadata), so ``fullshard train --help``
-documents every option and cannot drift from the config. :func:`validate` raises
-:class:`ConfigError` with the same message on every rank, before any collective runs.
+documents every option and cannot drift from the config. This module is the data only:
+checking the values (and the files, models and devices they name) is
+:mod:`fullshard.app.validate`'s, once per process before launch.
 """
 
 from __future__ import annotations
@@ -11,15 +12,14 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import math
-import os
 import sys
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fullshard.policies import STRATEGY_NAMES, FullshardError
+from fullshard.app.errors import ConfigError
+from fullshard.policies import STRATEGY_NAMES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,23 +29,18 @@ else:  # pragma: no cover - Python 3.10
 __all__ = [
     "ConfigError",
     "TrainConfig",
+    "add_config_options",
     "add_train_arguments",
-    "check_model_spec",
     "config_from_args",
     "load_toml",
     "reshard_after_forward_arg",
     "to_flags",
     "to_toml",
-    "validate",
 ]
 
 MIXED_PRECISION = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "nccl", "gloo")  # fullshard.app.launch.BACKENDS; here to keep config light
-
-
-class ConfigError(ValueError):
-    """Bad training input: the message says what is wrong and what to do."""
+BACKENDS = ("auto", "nccl", "gloo")  # --backend; fullshard.app.launch resolves them
 
 
 def _opt(default: Any, help: str, *, group: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -244,9 +239,10 @@ class TrainConfig:
         300.0, "seconds any collective may wait before the run fails", group="launch"
     )
 
-    def micro_batch(self, world_size: int) -> int:
-        """Sequences per rank per micro-batch (the TP ranks of a data-parallel rank share it)."""
-        return self.batch_size // (world_size // self.tp * self.grad_accum)
+    def micro_batch(self, dp: int) -> int:
+        """Sequences per rank per micro-batch over ``dp`` data-parallel ranks (the TP ranks of
+        a data-parallel rank share it: ``ParallelDims.dp``)."""
+        return self.batch_size // (dp * self.grad_accum)
 
 
 def _field_types() -> dict[str, Any]:
@@ -259,6 +255,32 @@ def _base_type(tp: Any) -> type:
     return args[0] if args else tp
 
 
+def _add_field(
+    group: argparse._ActionsContainer, name: str, default: Any, help_text: str | None = None
+) -> None:
+    """One flag for the :class:`TrainConfig` field ``name``: its type, choices and help."""
+    f = _FIELDS[name]
+    flag = "--" + name.replace("_", "-")
+    tp = _base_type(_field_types()[name])
+    shown = f.default if default is argparse.SUPPRESS else default
+    text = (help_text or f.metadata["help"]) + ("" if shown is None else f" (default: {shown})")
+    if tp is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        return
+    choices = f.metadata["choices"]
+    group.add_argument(
+        flag,
+        type=tp,
+        choices=choices,
+        default=default,
+        metavar=name.upper() if choices is None else None,
+        help=text,
+    )
+
+
+_FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--config`` and one flag per :class:`TrainConfig` field, grouped as in the dataclass.
 
@@ -267,30 +289,28 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", metavar="FILE", help="TOML file of options (keys as below); flags override it"
     )
-    types = _field_types()
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in fields(TrainConfig):
         meta = f.metadata
         group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
-        flag = "--" + f.name.replace("_", "-")
-        tp = _base_type(types[f.name])
-        help_text = meta["help"] + ("" if f.default is None else f" (default: {f.default})")
-        if tp is bool:
-            group.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        else:
-            group.add_argument(
-                flag,
-                type=tp,
-                choices=meta["choices"],
-                default=argparse.SUPPRESS,
-                metavar=f.name.upper() if meta["choices"] is None else None,
-                help=help_text,
-            )
+        _add_field(group, f.name, argparse.SUPPRESS)
+
+
+def add_config_options(
+    parser: argparse._ActionsContainer,
+    *names: str,
+    defaults: dict[str, Any] | None = None,
+    helps: dict[str, str] | None = None,
+) -> None:
+    """The flags of ``fullshard train`` named ``names`` (field names), for another command
+    (trace, bench, plan): one definition per option, so a flag means and checks the same
+    everywhere. ``defaults``: the command's own defaults (else the field's); ``helps``: a help
+    text where the command uses the option more narrowly (e.g. bench's launch timeout)."""
+    for name in names:
+        if name not in _FIELDS:
+            raise KeyError(f"{name!r} is no TrainConfig field")
+        default = (defaults or {}).get(name, _FIELDS[name].default)
+        _add_field(parser, name, default, (helps or {}).get(name))
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -393,129 +413,3 @@ def reshard_after_forward_arg(value: str | None) -> bool | int | None:
         "backward) or N >= 1 (keep them sharded over N ranks), or drop it for the --strategy's "
         "default"
     )
-
-
-def hybrid_shard_size(cfg: TrainConfig, world_size: int) -> int:
-    """Ranks per shard group for the hybrid strategies (``--shard-size``, or the engine's
-    default, :func:`fullshard.engine.sharding.hybrid_shard_size`)."""
-    from fullshard.engine.sharding import hybrid_shard_size as default
-
-    # tensor parallel: the strategy shards over the data-parallel ranks only
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // cfg.tp
-    return default(world_size // cfg.tp, cfg.shard_size, max(local, 1))
-
-
-def check_model_spec(spec: str, flag: str = "--model") -> tuple[str, str]:
-    """``(kind, name)`` of a ``--model`` value (see ``resolve_model_spec``), or a
-    :class:`ConfigError` naming the flag: unknown names, a missing ``transformers``."""
-    from fullshard.app.models import resolve_model_spec
-
-    try:
-        kind, name = resolve_model_spec(spec)
-    except ValueError as exc:
-        raise ConfigError(f"{flag}: {exc}") from None
-    if kind == "hf":
-        from fullshard.app.hf import HF_CONFIGS, require_transformers
-
-        try:
-            require_transformers()
-        except ImportError as exc:
-            raise ConfigError(f"{flag} {spec}: {exc}") from None
-        if name not in HF_CONFIGS and not (Path(name) / "config.json").is_file():
-            known = ", ".join(f"hf:{n}" for n in HF_CONFIGS)
-            raise ConfigError(
-                f"{flag}: unknown Hugging Face model {name!r}: use one of {known} or a local "
-                "directory with a config.json (nothing is downloaded)"
-            )
-    return kind, name
-
-
-def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Raise :class:`ConfigError` for bad input. Pure: same answer on every rank."""
-    from fullshard.app.models import MODEL_SIZES
-
-    kind, name = check_model_spec(cfg.model)
-    if cfg.data is not None and not Path(cfg.data).exists():
-        raise ConfigError(
-            f"data path {cfg.data!r} does not exist: give a text file or a folder of text files "
-            "(or omit --data for the built-in corpus)"
-        )
-    if cfg.tokenizer != "byte" and not Path(cfg.tokenizer).is_dir():
-        raise ConfigError(
-            f"tokenizer {cfg.tokenizer!r} is neither 'byte' nor a local tokenizer directory"
-        )
-    positive = (
-        "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nproc", "threads", "tp"
-    )  # fmt: skip
-    for key in positive:
-        if getattr(cfg, key) < 1:
-            raise ConfigError(
-                f"--{key.replace('_', '-')} must be at least 1, got {getattr(cfg, key)}"
-            )
-    for key in (
-        "eval_every",
-        "eval_batches",
-        "warmup_steps",
-        "sample_tokens",
-        "top_k",
-        "shard_size",
-        "max_restarts",
-        "save_every",
-        "keep",
-        "stop_after",
-    ):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(cfg, key)}")
-    if not 0.0 <= cfg.val_fraction < 1.0:
-        raise ConfigError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
-    for key in ("lr", "timeout", "clip", "weight_decay", "temperature", "beta1", "beta2"):
-        if not math.isfinite(getattr(cfg, key)):  # argparse's float() takes "nan" and "inf"
-            raise ConfigError(f"--{key.replace('_', '-')} must be a finite number")
-    if cfg.lr <= 0 or cfg.timeout <= 0 or cfg.clip < 0 or cfg.weight_decay < 0:
-        raise ConfigError("--lr and --timeout must be positive, --clip and --weight-decay >= 0")
-    if not (0.0 <= cfg.beta1 < 1.0 and 0.0 <= cfg.beta2 < 1.0):
-        raise ConfigError(
-            f"AdamW's --beta1 and --beta2 must be in [0, 1), got {cfg.beta1} and {cfg.beta2}"
-        )
-    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
-    if world_size % cfg.tp:
-        raise ConfigError(
-            f"--tp {cfg.tp} does not divide the {world_size} ranks: each data-parallel rank needs "
-            f"{cfg.tp} ranks for tensor parallel; use --nproc {cfg.tp * max(1, world_size // cfg.tp)}"
-        )
-    per_step = world_size // cfg.tp * cfg.grad_accum
-    if cfg.batch_size % per_step != 0:
-        lower = max(per_step, cfg.batch_size - cfg.batch_size % per_step)
-        raise ConfigError(
-            f"--batch-size {cfg.batch_size} (global) is not divisible by world size {world_size} "
-            + (f"/ --tp {cfg.tp} " if cfg.tp > 1 else "")
-            + f"x --grad-accum {cfg.grad_accum} = {per_step}: every rank needs the same whole "
-            f"number of sequences per micro-batch. Use e.g. --batch-size {lower} or "
-            f"{lower + per_step}."
-        )
-    if cfg.strategy.startswith("hybrid"):
-        try:
-            hybrid_shard_size(cfg, world_size)
-        except FullshardError as exc:
-            raise ConfigError(f"--strategy {cfg.strategy}: {exc}") from None
-    if cfg.resume is not None and cfg.resume != "latest" and not Path(cfg.resume).exists():
-        raise ConfigError(f"--resume {cfg.resume!r}: no such checkpoint (or use 'latest')")
-    if kind == "gpt" and cfg.seq_len > MODEL_SIZES[name].max_seq_len:
-        raise ConfigError(
-            f"--seq-len {cfg.seq_len} exceeds model {name!r}'s context of "
-            f"{MODEL_SIZES[name].max_seq_len} tokens"
-        )
-    if cfg.float8 and cfg.tp > 1:
-        raise ConfigError("--float8 with --tp is not supported yet: drop one of them")
-    if cfg.float8:
-        from fullshard.app.wrap import float8_missing
-
-        missing = float8_missing()
-        if missing:
-            raise ConfigError(missing)
-    from fullshard.app.launch import check_devices
-
-    # No device is touched: the same verdict on every rank, and in the CLI before launching.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    check_devices(cfg.device, cfg.backend, local)

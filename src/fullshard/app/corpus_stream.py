@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -21,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from fullshard.app.config import ConfigError
-from fullshard.app.data import TEXT_SUFFIXES
+from fullshard.app.data import TEXT_SUFFIXES, check_text_file
+from fullshard.app.errors import ConfigError
 
 __all__ = [
     "DATA_SUFFIXES",
@@ -36,6 +37,7 @@ __all__ = [
 
 DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow")
 SEPARATOR = "\n\n"  # between documents, as load_text joins files
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip")
 PYARROW_HINT = "pip install 'fullshard[data]' (or pip install pyarrow)"
 Segment = tuple[str, bool]  # (text, starts a document)
 
@@ -44,7 +46,11 @@ Segment = tuple[str, bool]  # (text, starts a document)
 
 
 def input_files(inputs: list[str]) -> list[Path]:
-    """The files to read, in order: each input file as given, each folder's files sorted."""
+    """The files to read, in order: each input file as given, each folder's files sorted.
+
+    Every text or JSONL file's head is checked to be text (:func:`check_text_file`): a
+    compressed or binary file is refused, naming it, before any output is written (read as
+    UTF-8 it would be tokenized as replacement characters)."""
     if not inputs:
         raise ConfigError("no input: give text/JSONL/Parquet files or folders, and --out DIR")
     files: list[Path] = []
@@ -56,17 +62,36 @@ def input_files(inputs: list[str]) -> list[Path]:
             found = sorted(
                 f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES + DATA_SUFFIXES
             )
+            packed = sorted(f for f in p.rglob("*") if f.is_file() and _compressed_input(f))
+            hint = f" (e.g. {packed[0]}): decompress them to read them" if packed else ""
             if not found:
                 raise ConfigError(
                     f"{spec}: the folder holds no input files "
                     f"({', '.join(TEXT_SUFFIXES + DATA_SUFFIXES)})"
+                    + (f"; {len(packed)} compressed one(s){hint}" if packed else "")
+                )
+            if packed:  # skipped like any other file, but likely meant to be read: say so
+                print(
+                    f"fullshard prepare: warning: {spec}: skipping {len(packed)} compressed "
+                    f"file(s){hint}",
+                    file=sys.stderr,
                 )
             files.extend(found)
         else:
             raise ConfigError(f"{spec} does not exist: give a file or a folder")
     if any(f.suffix in (".parquet", ".arrow") for f in files):
         _pyarrow(next(f for f in files if f.suffix in (".parquet", ".arrow")))
+    for f in files:
+        if f.suffix not in (".parquet", ".arrow"):  # binary formats, read by pyarrow
+            check_text_file(f)
     return files
+
+
+def _compressed_input(path: Path) -> bool:
+    """Whether ``path`` is a compressed text or JSONL file (``a.jsonl.gz``, ``b.txt.zst``)."""
+    return path.suffix in COMPRESSED_SUFFIXES and (
+        Path(path.stem).suffix in TEXT_SUFFIXES + DATA_SUFFIXES
+    )
 
 
 def _pyarrow(path: Path) -> Any:

@@ -12,9 +12,9 @@ import argparse
 import contextlib
 import gc
 import inspect
+import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
-from fullshard.app.config import ConfigError
-from fullshard.app.preempt import MARKER_ENV, PREEMPTED_EXIT, ForwardSignals, read_marker
-from fullshard.comm import control
+from fullshard.app.config import BACKENDS, DEVICES
+from fullshard.app.dims import ParallelDims, under_torchrun
+from fullshard.app.errors import ERROR_MARKER_ENV, VALIDATED_ENV, ConfigError, read_error
+from fullshard.app.preempt import MARKER_ENV, PREEMPTED_EXIT, AgentSignals, read_marker
 from fullshard.comm.device import cuda_usable
 
 __all__ = [
     "BACKENDS",
     "DistInfo",
-    "add_device_arguments",
     "check_devices",
     "forward_flags",
     "init_distributed",
@@ -44,7 +44,6 @@ __all__ = [
     "rank_session",
     "resolve_backend",
     "under_torchrun",
-    "world_size_from_env",
 ]
 
 
@@ -57,16 +56,6 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str
-
-
-def under_torchrun() -> bool:
-    """True when a launcher already set this process's rank and world size."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def world_size_from_env(default: int) -> int:
-    """The job's world size: torchrun's ``WORLD_SIZE``, else what we are about to launch."""
-    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else default
 
 
 def forward_flags(
@@ -96,16 +85,63 @@ def forward_flags(
     return flags
 
 
-def _signal_flags() -> list[str]:
-    """torchrun's agent turns the signals it handles into "pass the signal to the workers, wait,
-    then SIGKILL"; by default SIGUSR1 (SLURM's usual warning) is not among them and would kill
-    it. Older torch (before ``--signals-to-handle``) gets SIGTERM forwarded instead (see
-    :class:`fullshard.app.preempt.ForwardSignals`)."""
+def _torchrun_signal_flags() -> tuple[list[str], int | None]:
+    """The ``--signals-to-handle`` flag that leaves :data:`~fullshard.app.preempt.SIGNALS` to
+    our :class:`~fullshard.app.preempt.AgentSignals`, and the signal it passes to the ranks
+    (``None``: the one received). Older torch (before ``--signals-to-handle``) handles SIGTERM
+    itself and knows no SIGUSR1 (SLURM's usual warning), which we pass on as SIGTERM."""
     from torch.distributed.run import get_args_parser
 
     if "--signals-to-handle" not in get_args_parser()._option_string_actions:
-        return []
-    return ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+        return [], signal.SIGTERM
+    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"], None
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``env`` inside (torchrun's agent hands it to the ranks), as before after."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+class _QuietAfterInputError(logging.Filter):
+    """Drops the agent's log records once a rank reported an input error: its "failed
+    (exitcode: 65)" lines would bury the one message the launcher prints."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not os.path.exists(self.marker)
+
+
+@contextlib.contextmanager
+def _agent_logs_filtered(marker: str) -> Iterator[None]:
+    """:class:`_QuietAfterInputError` on every handler torch's loggers write through."""
+    quiet = _QuietAfterInputError(marker)
+    # torch's loggers write through handlers of their own (torch._logging), not the root's
+    loggers = [logging.getLogger(), logging.getLogger("torch")] + [
+        lg
+        for name, lg in logging.Logger.manager.loggerDict.items()
+        if name.startswith("torch.distributed") and isinstance(lg, logging.Logger)
+    ]
+    handlers = {h for lg in loggers for h in lg.handlers}
+    if logging.lastResort is not None:
+        handlers.add(logging.lastResort)
+    for h in handlers:
+        h.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(quiet)
 
 
 def launch_local(
@@ -117,16 +153,33 @@ def launch_local(
     env: dict[str, str] | None = None,
     timeout_s: float | None = None,
 ) -> int:
-    """Run ``python -m <module> <argv>`` on ``nproc`` local ranks through torch.distributed.run
-    (wrapped by :func:`fullshard.app.preempt.run_torchrun`).
+    """Run ``python -m <module> <argv>`` on ``nproc`` local ranks through torch.distributed.run,
+    whose agent runs in this process (one interpreter and one torch import fewer per launch).
 
-    Returns the launcher's exit status (non-zero when any rank failed; torchrun then stops the
-    others rather than letting them wait for a dead peer), or ``PREEMPTED_EXIT`` (75) when the
-    ranks stopped on a stop signal with a complete checkpoint (NOTE [Preemption]): SIGTERM or
-    SIGUSR1 sent to this process is passed on to torchrun, whose agent passes it to the ranks.
-    With ``timeout_s`` the launcher runs in its own session, and on timeout it and its ranks
-    are ended together (status 124).
+    Call it after validating ``argv``: the ranks are told not to validate again. Returns 0 when
+    every rank succeeded; :data:`~fullshard.app.preempt.PREEMPTED_EXIT` (75) when the ranks
+    stopped on a stop signal with a complete checkpoint (NOTE [Preemption]: SIGTERM or SIGUSR1
+    sent to this process is passed on to the ranks by the agent); 2 with one message when a
+    rank found bad input (NOTE [Input errors on the ranks]); 1 when a rank failed (torchrun
+    stops the others rather than letting them wait for a dead peer). With ``timeout_s`` the
+    ranks are killed after that many seconds (status 124).
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    signal_flags, send = _torchrun_signal_flags()
+    args = parse_args(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}",
+            *signal_flags,
+            "-m",
+            module,
+            *argv,
+        ]
+    )
     env = dict(os.environ if env is None else env)
     # Local CPU runs talk over loopback; without this gloo may pick an interface that does not
     # route to itself (containers, VPNs).
@@ -134,67 +187,45 @@ def launch_local(
     # Set it ourselves so torchrun does not print its OMP_NUM_THREADS warning; the drivers set
     # torch's thread count from --threads anyway.
     env.setdefault("OMP_NUM_THREADS", "1")
-    signal_flags = _signal_flags()
-    cmd = [
-        sys.executable,
-        "-m",
-        "fullshard.app.preempt",  # torch.distributed.run, with a quiet preempted status
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
-        *signal_flags,
-        "-m",
-        module,
-        *argv,
-    ]
+    env[VALIDATED_ENV] = "1"
+    failure: ChildFailedError | None = None
+    status = 0
     with tempfile.TemporaryDirectory(prefix="fullshard-launch-") as tmp:
-        # torchrun reports a preempted rank (status 75) and a failed one alike (status 1):
-        # rank 0 writes this file once the preemption checkpoint is committed
+        # torchrun reports a preempted rank (status 75), a rank with bad input (65) and a
+        # failed one alike: the ranks leave these files to tell them apart
         marker = env[MARKER_ENV] = os.path.join(tmp, "preempted.json")
-        proc = subprocess.Popen(cmd, env=env, start_new_session=timeout_s is not None)
-        with ForwardSignals(proc, send=None if signal_flags else signal.SIGTERM) as forwarded:
-            try:
-                status = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                print(
-                    f"fullshard: launch timed out after {timeout_s:.0f} s: {argv}", file=sys.stderr
-                )
-                return 124
+        error = env[ERROR_MARKER_ENV] = os.path.join(tmp, "input-error.txt")
+        signals = AgentSignals(send=send, timeout_s=timeout_s)
+        try:
+            with _environ(env), _agent_logs_filtered(error), signals:
+                run(args)
+        except ChildFailedError as exc:
+            failure, status = exc, 1
+        except SignalException:
+            status = 1
         if read_marker(marker) is not None:
             return PREEMPTED_EXIT
-    if forwarded.requested and status != 0:
+        message = read_error(error)
+    if message is not None:
+        print(f"fullshard {argv[0] if argv else module}: error: {message}", file=sys.stderr)
+        return 2
+    if signals.timed_out:
+        print(f"fullshard: launch timed out after {timeout_s:.0f} s: {argv}", file=sys.stderr)
+        return 124
+    if signals.requested and status != 0:
         print(
-            f"fullshard: {forwarded.name()} passed on to the ranks, but they did not report a "
-            f"complete checkpoint (launcher status {status})",
+            f"fullshard: {signals.name()} passed on to the ranks, but they did not report a "
+            f"complete checkpoint",
+            file=sys.stderr,
+        )
+    elif failure is not None:
+        rank, first = failure.get_first_failure()
+        print(
+            f"fullshard: rank {rank} failed (exit status {first.exitcode}; its output is above), "
+            "and the launcher stopped the other ranks",
             file=sys.stderr,
         )
     return status
-
-
-BACKENDS = ("auto", "nccl", "gloo")
-
-
-def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    """``--device`` and ``--backend``, as ``fullshard train`` has them (trace and bench)."""
-    p.add_argument(
-        "--device",
-        default="auto",
-        choices=("auto", "cpu", "cuda"),
-        help="auto (CUDA if visible, else CPU), cpu or cuda (default: auto)",
-    )
-    p.add_argument(
-        "--backend",
-        default="auto",
-        choices=BACKENDS,
-        help="auto (NCCL on CUDA, gloo on CPU), nccl, or gloo (on CUDA: the ranks share the "
-        "visible GPUs, rank r on cuda:(r %% GPUs)) (default: auto)",
-    )
-
-
-def _local_world_size(default: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
 def resolve_backend(
@@ -206,7 +237,7 @@ def resolve_backend(
     CPU. Raises :class:`ConfigError` for a choice that cannot work here (the same answer on every
     rank: nothing rank-specific is looked at). ``flag``: the device option's name, for messages.
     """
-    if device_pref not in ("auto", "cpu", "cuda") or backend_pref not in BACKENDS:
+    if device_pref not in DEVICES or backend_pref not in BACKENDS:
         raise ConfigError(
             f"{flag} {device_pref} / --backend {backend_pref}: choose {flag} auto|cpu|cuda "
             f"and --backend {'|'.join(BACKENDS)}"
@@ -281,9 +312,10 @@ def init_distributed(device_pref: str, timeout_s: float, backend: str = "auto") 
     group's watchdog), so a dead or stuck peer fails the run instead of hanging it.
     """
     rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device, backend = rank_device(device_pref, backend, local_rank, _local_world_size(world_size))
+    dims = ParallelDims.from_env(1)  # under torchrun: its WORLD_SIZE and LOCAL_WORLD_SIZE
+    world_size = dims.world
+    device, backend = rank_device(device_pref, backend, local_rank, dims.local_world)
     # fullshard's own bounded waits (engine and control) get the same bound as the process
     # group, unless the user set one (fullshard.comm.mesh.default_timeout reads it)
     os.environ.setdefault("FULLSHARD_TIMEOUT_S", str(timeout_s))
@@ -320,6 +352,10 @@ def leave_together() -> None:
     Collect those cycles now, then wait for every rank (hosts included: NCCL work still queued
     on the device would otherwise outlive the communicator).
     """
+    # imported here, on the ranks: comm.control pulls in DTensor (through comm.mesh), which the
+    # launcher process, importing this module for launch_local, never needs
+    from fullshard.comm import control
+
     gc.collect()
     control.host_barrier(what="leave-together barrier")
 

@@ -13,11 +13,12 @@ import json
 import torch
 from torch import nn
 
+from fullshard.app.config import add_config_options
 from fullshard.app.models import build_model, lm_loss, unit_types_of
 from fullshard.plan import GB, Plan, PlanConfig, fmt_bytes, plan_analytic, plan_model, recommend
 from fullshard.plan.accounting import DTYPE_BYTES, OPTIMIZERS, Recommendation
 from fullshard.plan.model import describe
-from fullshard.policies import MEMORY_CATEGORIES, STEP_PHASES, STRATEGY_NAMES
+from fullshard.policies import MEMORY_CATEGORIES, STEP_PHASES
 
 __all__ = [
     "PLAN_EPILOG",
@@ -233,11 +234,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--devices-per-node", type=int, default=8,
                     help="devices per node: the default hybrid group (default 8)")  # fmt: skip
     run_ = parser.add_argument_group("training")
-    run_.add_argument("--strategy", default="full_shard", choices=STRATEGY_NAMES,
-                      help="sharding strategy to plan (default full_shard)")  # fmt: skip
-    run_.add_argument("--tp", type=int, default=1,
-                      help="model mode: tensor parallel over this many devices, as fullshard "
-                      "train --tp splits the model; the strategy shards over the rest (default 1)")  # fmt: skip
+    # fullshard train's own definitions: the plan reads them as a run would
+    add_config_options(run_, "strategy", "tp")
     run_.add_argument("--hybrid-group", type=int,
                       help="hybrid strategies: devices per shard group (default: per node)")  # fmt: skip
     run_.add_argument("--precision", choices=tuple(DTYPE_BYTES),
@@ -251,8 +249,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--batch", type=int, default=1, help="sequences per device (default 1)")
     run_.add_argument("--seq", type=int,
                       help="tokens per sequence (default: 2048 analytic, 128 model mode)")  # fmt: skip
-    run_.add_argument("--activation-checkpointing", action="store_true",
-                      help="recompute each unit's activations in backward")  # fmt: skip
+    add_config_options(run_, "activation_checkpointing")
     run_.add_argument("--offload", action="store_true",
                       help="keep shards, gradients and the optimizer step on the CPU")  # fmt: skip
     run_.add_argument(

@@ -16,8 +16,10 @@ SIGTERM and SIGUSR1 like this:
   is waited for), leaves the process group together and exits with :data:`PREEMPTED_EXIT`;
 - the handlers stay installed until the save is committed: a second signal during the save
   is recorded and ignored, it neither kills the rank nor tears the checkpoint;
-- the launcher side (``fullshard train --nproc N``) forwards the first signal it gets to its
-  torchrun child, whose agent forwards it to the ranks (see :class:`ForwardSignals`).
+- the launcher side (``fullshard train --nproc N``) runs torchrun's agent in its own process
+  (``fullshard.app.launch.launch_local``); the first signal it gets becomes the agent's
+  ``SignalException``, so the agent passes it to the ranks and waits for them, and later
+  signals are dropped (see :class:`AgentSignals`).
 
 torchrun knows no exit statuses: a rank's 75 is a failure to it. A signal at the agent (what
 SLURM and Kubernetes send) makes it stop the workers and exit without a restart; a signal at
@@ -31,8 +33,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -44,11 +44,10 @@ __all__ = [
     "MARKER_ENV",
     "PREEMPTED_EXIT",
     "SIGNALS",
-    "ForwardSignals",
+    "AgentSignals",
     "StopSignals",
     "clear_marker",
     "read_marker",
-    "run_torchrun",
     "signal_name",
     "write_marker",
 ]
@@ -139,24 +138,60 @@ def signal_name(signum: float) -> str:
         return f"signal {int(signum)}"
 
 
-class ForwardSignals(_Signals):
-    """The launcher's handlers: pass the first stop signal on to a child process (torchrun).
+class AgentSignals(_Signals):
+    """The launcher's handlers while torchrun's agent runs in this process (and is told to
+    leave :data:`SIGNALS` to us): the first stop signal raises torchrun's ``SignalException``
+    carrying ``send`` (default: the signal received), on which the agent passes that signal to
+    the ranks and waits for them (its ``--shutdown-timeout``); later signals are recorded and
+    dropped, since a second exception would break the agent out of that wait and orphan ranks
+    that are still saving.
 
-    Only the first: torchrun's agent turns each signal into an exception, and a second one
-    would break it out of its grace-period wait for the workers (they would be orphaned while
-    they save). Later signals are recorded and dropped; this process never dies of them.
+    ``timeout_s``: after that many seconds, the same exception with SIGKILL (the agent kills
+    the ranks at once) and :attr:`timed_out` set. Main thread only, as ``signal.signal``.
     """
 
-    def __init__(self, child: subprocess.Popen[Any], *, send: int | None = None) -> None:
+    def __init__(self, *, send: int | None = None, timeout_s: float | None = None) -> None:
         super().__init__()
-        self.child = child
-        self.send = send  # the signal passed on (None: the one received)
+        self.send = send
+        self.timeout_s = timeout_s
+        self.timed_out = False
+        self._alarm: list[_Handler] = []  # the previous SIGALRM handler, while ours is set
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        first = not self.received
+        first = not self.received and not self.timed_out
         super()._handle(signum, frame)
-        if first:  # a no-op once the child has exited
-            self.child.send_signal(signum if self.send is None else self.send)
+        if first:
+            self._raise(signal.Signals(signum if self.send is None else self.send))
+
+    def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
+        if not self.received and not self.timed_out:
+            self.timed_out = True
+            self._raise(signal.SIGKILL)
+
+    @staticmethod
+    def _raise(sig: signal.Signals) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        raise SignalException(f"fullshard launcher: {sig.name} for the ranks", sigval=sig)
+
+    def __enter__(self) -> AgentSignals:
+        super().__enter__()
+        if self.timeout_s is not None and _on_main_thread():
+            self._alarm.append(signal.signal(signal.SIGALRM, self._on_alarm))
+            signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            previous = self._alarm.pop()
+            signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        super().__exit__(exc_type, exc, tb)
 
 
 def write_marker(step: int, checkpoint: str | None, by: str) -> None:
@@ -183,29 +218,3 @@ def read_marker(path: str) -> dict[str, Any] | None:
         return dict(json.loads(Path(path).read_text(encoding="utf-8")))
     except (OSError, ValueError):
         return None
-
-
-def run_torchrun(argv: list[str]) -> int:
-    """``torch.distributed.run`` with ``argv``, as ``fullshard train --nproc N`` runs it.
-
-    torchrun ends a preempted launch with a traceback (``SignalException`` when its agent got
-    the signal, ``ChildFailedError`` when a rank exited 75): when the ranks' marker says the
-    preemption checkpoint is complete, this returns :data:`PREEMPTED_EXIT` instead. Any other
-    failure is torchrun's own, unchanged.
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main
-
-    try:
-        main(argv)
-    except (ChildFailedError, SignalException):
-        marker = os.environ.get(MARKER_ENV)
-        if marker and read_marker(marker) is not None:
-            return PREEMPTED_EXIT
-        raise
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run_torchrun(sys.argv[1:]))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -34,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-from fullshard.app.config import ConfigError
 from fullshard.app.corpus_stream import (
     DATA_SUFFIXES,
     encoded,
@@ -44,6 +44,7 @@ from fullshard.app.corpus_stream import (
     segment_batches,
 )
 from fullshard.app.data import TEXT_SUFFIXES, VAL_BLOCK, held_out_block
+from fullshard.app.errors import ConfigError
 from fullshard.app.token_shards import (
     FORMAT,
     FORMAT_VERSION,
@@ -252,8 +253,29 @@ def _check_options(opts: PrepareOptions) -> None:
         raise ConfigError(
             f"--tokenizer {opts.tokenizer!r} is neither 'byte' nor a local tokenizer directory"
         )
-    if Path(opts.out).exists() and not Path(opts.out).is_dir():
-        raise ConfigError(f"--out {opts.out} is a file: give a folder (it is created if missing)")
+    _check_out(Path(opts.out))
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` is (or can become) a folder, with no ``index.json`` other than one prepare wrote:
+    committing replaces the index, so anyone else's would be lost."""
+    above = out
+    while not above.exists() and above != above.parent:
+        above = above.parent  # the nearest existing folder above it: created from there
+    if not above.is_dir():
+        what = "is a file" if above == out else f"cannot be created: {above} is a file"
+        raise ConfigError(f"--out {out} {what}: give a folder (it is created if missing)")
+    index = out / INDEX
+    if index.exists() or index.is_symlink():
+        try:
+            ours = json.loads(index.read_text(encoding="utf-8")).get("format") == FORMAT
+        except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
+            ours = False
+        if not ours:
+            raise ConfigError(
+                f"--out {out}: {index} exists and was not written by fullshard prepare (it is "
+                "left as it is): give a new or empty folder, or the folder of an earlier prepare"
+            )
 
 
 def prepare(opts: PrepareOptions) -> dict[str, Any]:
@@ -275,11 +297,15 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
         return read_index(out)
 
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(".prepare-*"):  # an interrupted run's staging folder
-        shutil.rmtree(stale, ignore_errors=True)
-    stage = out / f".prepare-{os.getpid()}"
-    stage.mkdir()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob(".prepare-*"):  # an interrupted run's staging folder
+            if stale.name[len(".prepare-") :].isdigit() and stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+        stage = out / f".prepare-{os.getpid()}"
+        stage.mkdir()
+    except OSError as exc:  # no permission, a read-only or special file system
+        raise ConfigError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     try:
         index = _write(opts, files, stage, identity, dtype, vocab)
         index.update(inputs=inputs, options=options)

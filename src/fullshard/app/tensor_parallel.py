@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from fullshard.app.config import ConfigError
+from fullshard.app.errors import ConfigError
 from fullshard.engine.sharding import ShardingPlan
 
 __all__ = ["apply_tensor_parallel", "block_plan", "meshes"]

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from fullshard.app.config import ConfigError
+from fullshard.app.errors import ConfigError
 from fullshard.checkpoint.store import file_sha256
 
 __all__ = [

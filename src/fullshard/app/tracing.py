@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from fullshard import step_schedule
-from fullshard.app.launch import add_device_arguments, rank_session
+from fullshard.app.config import add_config_options
+from fullshard.app.launch import rank_session
 from fullshard.app.models import build_model, count_params, lm_loss, unit_types_of
 from fullshard.app.wrap import shard_model
 from fullshard.comm import control
@@ -36,35 +37,23 @@ from fullshard.observe.timeline import (
     exposed_seconds,
     gather_events,
 )
-from fullshard.policies import STRATEGY_NAMES
 
 __all__ = ["add_trace_arguments", "run_trace"]
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of ``fullshard trace`` (every one documented in ``--help``)."""
-    p.add_argument(
-        "--model",
-        default="small",
-        help="a built-in size (tiny, demo, small, gpt2-124m, 1b, 7b) or hf:NAME (default: small)",
-    )
-    p.add_argument(
-        "--strategy", default="full_shard", choices=STRATEGY_NAMES, help="sharding strategy"
-    )
-    p.add_argument(
-        "--shard-size", type=int, default=0, help="hybrid strategies: ranks per shard group"
-    )
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to launch (default: 2)")
+    """Options of ``fullshard trace`` (every one documented in ``--help``); those it shares
+    with ``fullshard train`` are train's own definitions (``add_config_options``)."""
+    add_config_options(p, "model", defaults={"model": "small"})
+    add_config_options(p, "strategy", "shard_size", "nproc")
     p.add_argument(
         "--batch-size", type=int, default=8, help="sequences per rank per step (default: 8)"
     )
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: 128)")
+    add_config_options(p, "seq_len")
     p.add_argument("--warmup", type=int, default=2, help="untraced steps first (default: 2)")
     p.add_argument("--steps", type=int, default=2, help="traced steps (default: 2)")
     p.add_argument("--out", default="runs/trace", help="output folder (default: runs/trace)")
-    add_device_arguments(p)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    add_config_options(p, "device", "backend", "threads", "timeout")
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:

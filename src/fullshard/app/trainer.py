@@ -23,13 +23,7 @@ from torch import nn
 
 from fullshard import ShardedGradScaler
 from fullshard.app.checkpointing import TrainCheckpoints
-from fullshard.app.config import (
-    ConfigError,
-    TrainConfig,
-    reshard_after_forward_arg,
-    to_toml,
-    validate,
-)
+from fullshard.app.config import TrainConfig, reshard_after_forward_arg, to_toml
 from fullshard.app.data import (
     RankBatches,
     build_tokenizer,
@@ -37,14 +31,15 @@ from fullshard.app.data import (
     load_tokens,
     split_for_rank,
 )
+from fullshard.app.dims import ParallelDims
+from fullshard.app.errors import ConfigError
 from fullshard.app.faults import agree_step, fault_from_env
-from fullshard.app.launch import DistInfo, rank_session, world_size_from_env
+from fullshard.app.launch import DistInfo, rank_session
 from fullshard.app.models import (
     build_model,
     count_params,
     generate,
     lm_loss,
-    model_context_length,
     output_vocab_size,
     unit_types_of,
 )
@@ -165,9 +160,16 @@ def _sharding_options(cfg: TrainConfig) -> str:
     return words + (", CPU offload" if cfg.cpu_offload else "")
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run one training job on this rank; returns the run summary (on every rank)."""
-    validate(cfg, world_size_from_env(cfg.nproc))
+def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> dict[str, Any]:
+    """Run one training job on this rank; returns the run summary (on every rank).
+
+    ``cfg`` was validated (``fullshard.app.validate.validate_train``, before launch); ``dims``:
+    the run's parallel dimensions (default: from torchrun's environment and ``cfg``).
+    """
+    if dims is None:
+        dims = ParallelDims.from_env(
+            cfg.nproc, tp=cfg.tp, strategy=cfg.strategy, shard_size=cfg.shard_size
+        )
     tokenizer = build_tokenizer(cfg.tokenizer)
     tokens = load_tokens(cfg.data, tokenizer)  # a prepared folder is memory-mapped, not read
     with rank_session(cfg.device, cfg.timeout, cfg.backend) as info:
@@ -175,16 +177,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # (fullshard.testing.cuda_emulation), and summary.json counts host syncs per step
         checked = emulation.enabled_from_env()
         with emulation.cuda_emulation(all_device=True) if checked else contextlib.nullcontext():
-            return _train(cfg, info, tokenizer, tokens)
+            return _train(cfg, dims, info, tokenizer, tokens)
 
 
-def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dict[str, Any]:
+def _train(
+    cfg: TrainConfig, dims: ParallelDims, info: DistInfo, tokenizer: Any, tokens: Any
+) -> dict[str, Any]:
     rank, world, device = info.rank, info.world_size, info.device
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads)
-    micro = cfg.micro_batch(world)
+    micro = cfg.micro_batch(dims.dp)
     # data parallel rank: the --tp consecutive ranks of one TP group read the same batches
-    dp_rank, dp = rank // cfg.tp, world // cfg.tp
+    dp_rank, dp = dims.dp_rank(rank), dims.dp
     train_tokens, val_tokens = split_for_rank(tokens, dp_rank, dp, cfg.val_fraction)
     sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
     val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
@@ -194,9 +198,6 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
     model = build_model(
         cfg.model, tokenizer.vocab_size, seed=cfg.seed, device=device, lazy_weights=True
     )
-    ctx = model_context_length(model)
-    if ctx is not None and cfg.seq_len > ctx:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's context of {ctx} tokens")
     n_params = count_params(model)
     vocab = output_vocab_size(model)
     if vocab < tokenizer.vocab_size:
@@ -209,8 +210,7 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
         cfg.strategy,
         unit_types_of(model),
         mixed_precision=cfg.mixed_precision,
-        shard_size=cfg.shard_size,
-        tp=cfg.tp,
+        dims=dims,
         activation_checkpointing=cfg.activation_checkpointing,
         float8=cfg.float8,
         reshard_after_forward=reshard_after_forward_arg(cfg.reshard_after_forward),
@@ -239,7 +239,6 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
     bar = None
     if rank == 0:
         run_dir = make_run_dir(cfg.runs_dir, cfg.name)
-        (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
     # every rank needs the same checkpoint folder: rank 0 named the run folder
     folder = control.broadcast_object(
         cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")
@@ -252,6 +251,9 @@ def _train(cfg: TrainConfig, info: DistInfo, tokenizer: Any, tokens: Any) -> dic
         # restarted by torchrun after a failure: continue from the last complete checkpoint
         resume = "latest" if ckpt.resolve("latest") is not None else None
     done = ckpt.resume(resume) if resume is not None else 0
+    if rank == 0:  # after a resume that worked: a failed one leaves the run's config as it was
+        assert run_dir is not None
+        (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
     if dsched is not None:
         dsched.reload()  # the loaded optimizer holds float learning rates again
     fault = fault_from_env()

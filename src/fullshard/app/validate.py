@@ -2,16 +2,19 @@
 
 A bad input must give one clear message and exit status 2, not a traceback from every rank behind
 torchrun's ``ChildFailedError``. Each command that launches ranks has one function here, which
-``fullshard.app.cli`` calls before launching: :func:`validate_train`, :func:`validate_trace`,
-:func:`validate_bench` and :func:`validate_plan_check`. Each raises :class:`ConfigError` saying
-what is wrong, where (the flag or the file) and what to do.
+``fullshard.app.cli`` calls once per process before launching (the ranks it launches do not
+validate again; under an external torchrun each rank runs it once): :func:`validate_train`,
+:func:`validate_trace`, :func:`validate_bench` and :func:`validate_plan_check`, and
+:func:`validate_plan` for the planner. Each raises :class:`ConfigError` saying what is wrong,
+where (the flag or the file) and what to do.
 
 Everything here is cheap and touches no device: flag values, file sizes and folder listings, model
 configurations on paper. The only text ever read is a corpus already too small to train on by its
 file sizes (to count its tokens exactly), or the built-in corpus; nothing is tokenized but bytes.
 A prepared folder (``fullshard prepare``) is checked from its index and its files' stats; only a
 shard whose stat changed since it was written is read (re-hashed, NOTE [Verifying token shards]).
-So the verdict is the same in the launcher and on every rank.
+A checkpoint to resume is checked from its manifest and its files' sizes; the ranks hash the
+files (NOTE [Input errors on the ranks] in ``fullshard.app.errors``).
 """
 
 from __future__ import annotations
@@ -22,19 +25,16 @@ import math
 import os
 from pathlib import Path
 
-from fullshard.app.config import (
-    ConfigError,
-    TrainConfig,
-    check_model_spec,
-    hybrid_shard_size,
-    reshard_after_forward_arg,
-    validate,
-)
+from fullshard.app.config import TrainConfig, reshard_after_forward_arg
+from fullshard.app.dims import ParallelDims
+from fullshard.app.errors import ConfigError
 from fullshard.policies import FullshardError
 
 __all__ = [
+    "check_model_spec",
     "model_context",
     "validate_bench",
+    "validate_plan",
     "validate_plan_check",
     "validate_trace",
     "validate_train",
@@ -61,9 +61,38 @@ def _positive_seconds(value: float, flag: str) -> None:
         raise ConfigError(f"{flag} must be a positive number of seconds, got {value}")
 
 
-def _local_ranks(default: int) -> int:
-    """Ranks on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else what we are about to launch."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+def _dims(
+    dims: ParallelDims | int, tp: int = 1, strategy: str = "", shard_size: int = 0
+) -> ParallelDims:
+    """``dims``, or a world size taken as that many ranks on this machine."""
+    if isinstance(dims, ParallelDims):
+        return dims
+    return ParallelDims(dims, dims, tp, strategy or "full_shard", shard_size)
+
+
+def check_model_spec(spec: str, flag: str = "--model") -> tuple[str, str]:
+    """``(kind, name)`` of a ``--model`` value (see ``resolve_model_spec``), or a
+    :class:`ConfigError` naming the flag: unknown names, a missing ``transformers``."""
+    from fullshard.app.models import resolve_model_spec
+
+    try:
+        kind, name = resolve_model_spec(spec)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+    if kind == "hf":
+        from fullshard.app.hf import HF_CONFIGS, require_transformers
+
+        try:
+            require_transformers()
+        except ImportError as exc:
+            raise ConfigError(f"{flag} {spec}: {exc}") from None
+        if name not in HF_CONFIGS and not (Path(name) / "config.json").is_file():
+            known = ", ".join(f"hf:{n}" for n in HF_CONFIGS)
+            raise ConfigError(
+                f"{flag}: unknown Hugging Face model {name!r}: use one of {known} or a local "
+                "directory with a config.json (nothing is downloaded)"
+            )
+    return kind, name
 
 
 def model_context(kind: str, name: str) -> int | None:
@@ -90,8 +119,9 @@ def model_context(kind: str, name: str) -> int | None:
     return None
 
 
-def _model_and_length(spec: str, seq_len: int, seq_flag: str) -> None:
-    """``--model`` names a model we can build, and ``seq_len`` fits its context."""
+def _model_and_length(spec: str, seq_len: int, seq_flag: str) -> tuple[str, str]:
+    """``--model`` names a model we can build, and ``seq_len`` fits its context (the one place
+    this is checked); returns the model's ``(kind, name)``."""
     kind, name = check_model_spec(spec)
     context = model_context(kind, name)
     if context is not None and seq_len > context:
@@ -99,6 +129,7 @@ def _model_and_length(spec: str, seq_len: int, seq_flag: str) -> None:
             f"{seq_flag} {seq_len} exceeds the {context}-token context of model {spec!r}: "
             f"use {seq_flag} {context} or less, or a model with a longer context"
         )
+    return kind, name
 
 
 def _writable_folder(path: str | Path, flag: str) -> None:
@@ -116,27 +147,110 @@ def _writable_folder(path: str | Path, flag: str) -> None:
         return
 
 
+def _hybrid_group(dims: ParallelDims) -> int:
+    """The shard group, with the engine's refusal in the flag's words."""
+    try:
+        return dims.shard_group()
+    except FullshardError as exc:
+        raise ConfigError(f"--strategy {dims.strategy}: {exc}") from None
+
+
 # ----------------------------------------------------------------------------------------------
 # train
 
 
-def validate_train(cfg: TrainConfig, world_size: int) -> None:
-    """Every check of ``fullshard train`` (``world_size``: the ranks the run will have)."""
-    validate(cfg, world_size)  # flags and their combinations; the model; devices
-    _check_reshard_after_forward(cfg, world_size)
-    _model_and_length(cfg.model, cfg.seq_len, "--seq-len")
+def validate_train(cfg: TrainConfig, dims: ParallelDims | int) -> None:
+    """Every check of ``fullshard train``. ``dims``: the run's parallel dimensions (a world size
+    is taken as that many ranks on this machine)."""
+    dims = _dims(dims, cfg.tp, cfg.strategy, cfg.shard_size)
+    _check_numbers(cfg)
+    if cfg.data is not None and not Path(cfg.data).exists():
+        raise ConfigError(
+            f"data path {cfg.data!r} does not exist: give a text file or a folder of text files "
+            "(or omit --data for the built-in corpus)"
+        )
+    if cfg.tokenizer != "byte" and not Path(cfg.tokenizer).is_dir():
+        raise ConfigError(
+            f"tokenizer {cfg.tokenizer!r} is neither 'byte' nor a local tokenizer directory"
+        )
+    _check_batch(cfg, dims)
+    if dims.hybrid:
+        _hybrid_group(dims)
+    kind, name = _model_and_length(cfg.model, cfg.seq_len, "--seq-len")
+    if cfg.float8:
+        if cfg.tp > 1:
+            raise ConfigError("--float8 with --tp is not supported yet: drop one of them")
+        from fullshard.app.wrap import float8_missing
+
+        missing = float8_missing()
+        if missing:
+            raise ConfigError(missing)
+    from fullshard.app.launch import check_devices
+
+    check_devices(cfg.device, cfg.backend, dims.local_world)  # no device is touched
+    _check_reshard_after_forward(cfg, dims)
     run_dir = Path(cfg.runs_dir) / cfg.name if cfg.name else Path(cfg.runs_dir)
     _writable_folder(run_dir, "--runs-dir/--name" if cfg.name else "--runs-dir")
     if cfg.checkpoint_dir is not None:
         _writable_folder(cfg.checkpoint_dir, "--checkpoint-dir")
     _check_resume(cfg)
-    _check_data(cfg, world_size)
-    _check_hf_weights(cfg.model)
+    _check_data(cfg, dims)
+    if kind == "hf":
+        _check_hf_weights(cfg.model, name)
     if cfg.tp > 1:
         _check_tensor_parallel(cfg)
 
 
-def _check_reshard_after_forward(cfg: TrainConfig, world_size: int) -> None:
+def _check_numbers(cfg: TrainConfig) -> None:
+    """Counts, fractions and rates in their ranges."""
+    positive = (
+        "seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nproc", "threads", "tp"
+    )  # fmt: skip
+    for key in positive:
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"{_flag(key)} must be at least 1, got {getattr(cfg, key)}")
+    for key in (
+        "eval_every", "eval_batches", "warmup_steps", "sample_tokens", "top_k", "shard_size",
+        "max_restarts", "save_every", "keep", "stop_after",
+    ):  # fmt: skip
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{_flag(key)} must be >= 0, got {getattr(cfg, key)}")
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
+    for key in ("lr", "timeout", "clip", "weight_decay", "temperature", "beta1", "beta2"):
+        if not math.isfinite(getattr(cfg, key)):  # argparse's float() takes "nan" and "inf"
+            raise ConfigError(f"{_flag(key)} must be a finite number")
+    if cfg.lr <= 0 or cfg.timeout <= 0 or cfg.clip < 0 or cfg.weight_decay < 0:
+        raise ConfigError("--lr and --timeout must be positive, --clip and --weight-decay >= 0")
+    if not (0.0 <= cfg.beta1 < 1.0 and 0.0 <= cfg.beta2 < 1.0):
+        raise ConfigError(
+            f"AdamW's --beta1 and --beta2 must be in [0, 1), got {cfg.beta1} and {cfg.beta2}"
+        )
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+
+
+def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """``--tp`` divides the world, and the global batch divides into whole micro-batches."""
+    world = dims.world
+    if world % cfg.tp:
+        raise ConfigError(
+            f"--tp {cfg.tp} does not divide the {world} ranks: each data-parallel rank needs "
+            f"{cfg.tp} ranks for tensor parallel; use --nproc {cfg.tp * max(1, dims.dp)}"
+        )
+    per_step = dims.dp * cfg.grad_accum
+    if cfg.batch_size % per_step != 0:
+        lower = max(per_step, cfg.batch_size - cfg.batch_size % per_step)
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} (global) is not divisible by world size {world} "
+            + (f"/ --tp {cfg.tp} " if cfg.tp > 1 else "")
+            + f"x --grad-accum {cfg.grad_accum} = {per_step}: every rank needs the same whole "
+            f"number of sequences per micro-batch. Use e.g. --batch-size {lower} or "
+            f"{lower + per_step}."
+        )
+
+
+def _check_reshard_after_forward(cfg: TrainConfig, dims: ParallelDims) -> None:
     """``--reshard-after-forward`` is true, false or a number of ranks the blocks' shard group
     can be split into, and (a number other than 1 or the group size: resharding to a smaller
     group) not combined with what cannot reshard that way. The ranks' ``fully_shard`` applies
@@ -144,17 +258,11 @@ def _check_reshard_after_forward(cfg: TrainConfig, world_size: int) -> None:
     value = reshard_after_forward_arg(cfg.reshard_after_forward)
     if value is None or isinstance(value, bool):
         return
-    # the ranks one parameter is split over (``ShardingPlan.shard_size``): 1 for no_shard, the
-    # hybrid group, else every data-parallel rank
-    if cfg.strategy == "no_shard":
-        group = 1
-    elif cfg.strategy.startswith("hybrid"):
-        group = hybrid_shard_size(cfg, world_size)
-    else:
-        group = world_size // cfg.tp
+    # the ranks one parameter is split over (``ShardingPlan.shard_size``)
+    group = _hybrid_group(dims)
     if group % value:
         sizes = ", ".join(str(d) for d in range(1, group + 1) if group % d == 0)
-        what = f"{world_size} ranks" + (f" / --tp {cfg.tp}" if cfg.tp > 1 else "")
+        what = f"{dims.world} ranks" + (f" / --tp {cfg.tp}" if cfg.tp > 1 else "")
         ends = f" (1 is false, {group} is true)" if group > 1 else " (1 is false)"
         raise ConfigError(
             f"--reshard-after-forward {value} does not divide the shard group of {group} "
@@ -174,8 +282,23 @@ def _check_reshard_after_forward(cfg: TrainConfig, world_size: int) -> None:
             )
 
 
+def resume_folder(cfg: TrainConfig) -> str | None:
+    """The committed checkpoint folder ``--resume`` names now (``None``: none there)."""
+    from fullshard.checkpoint.store import MANIFEST, latest_checkpoint
+
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "latest":
+        root = cfg.checkpoint_dir or str(Path(cfg.runs_dir) / str(cfg.name) / "checkpoints")
+        return latest_checkpoint(root)
+    if os.path.isfile(os.path.join(cfg.resume, MANIFEST)):
+        return cfg.resume
+    return latest_checkpoint(cfg.resume)
+
+
 def _check_resume(cfg: TrainConfig) -> None:
-    """``--resume`` names a committed checkpoint that exists now.
+    """``--resume`` names a committed checkpoint that exists now, whose manifest parses and
+    whose files are all there with their recorded sizes (the ranks hash them).
 
     ``latest`` is the newest under the run's checkpoint folder. A folder without one is an error
     rather than a fresh start: a typo in ``--name`` would otherwise silently train from scratch.
@@ -184,37 +307,45 @@ def _check_resume(cfg: TrainConfig) -> None:
     """
     if cfg.resume is None:
         return
-    from fullshard.checkpoint.store import MANIFEST, latest_checkpoint
+    from fullshard.checkpoint.store import MANIFEST, verify
 
     fresh = "to start a new run instead, drop --resume"
-    if cfg.resume != "latest":
-        path = cfg.resume
-        if not os.path.isfile(os.path.join(path, MANIFEST)) and latest_checkpoint(path) is None:
-            raise ConfigError(
-                f"--resume {path}: not a committed checkpoint (no {MANIFEST}) nor a folder "
-                f"holding one (step_N/): give a checkpoint folder, or 'latest'; {fresh}"
-            )
-        return
-    if cfg.checkpoint_dir is None and cfg.name is None:
+    if cfg.resume != "latest" and not Path(cfg.resume).exists():
+        raise ConfigError(f"--resume {cfg.resume!r}: no such checkpoint (or use 'latest')")
+    if cfg.resume == "latest" and cfg.checkpoint_dir is None and cfg.name is None:
         raise ConfigError(
             "--resume latest continues a named run, but no --name was given (a run without one "
             "gets a new, empty folder): give the --name of the run to continue, or its "
             f"--checkpoint-dir; {fresh}"
         )
-    folder = cfg.checkpoint_dir or str(Path(cfg.runs_dir) / str(cfg.name) / "checkpoints")
-    if latest_checkpoint(folder) is None:
+    folder = resume_folder(cfg)
+    if folder is None and cfg.resume != "latest":
         raise ConfigError(
-            f"--resume latest: {folder} holds no committed checkpoint (check --name, --runs-dir "
+            f"--resume {cfg.resume}: not a committed checkpoint (no {MANIFEST}) nor a folder "
+            f"holding one (step_N/): give a checkpoint folder, or 'latest'; {fresh}"
+        )
+    if folder is None:
+        root = cfg.checkpoint_dir or str(Path(cfg.runs_dir) / str(cfg.name) / "checkpoints")
+        raise ConfigError(
+            f"--resume latest: {root} holds no committed checkpoint (check --name, --runs-dir "
             f"or --checkpoint-dir: they must be those of the run to continue); {fresh}"
+        )
+    problem = verify(folder, hashes=False)
+    if problem:
+        raise ConfigError(
+            f"--resume {cfg.resume}: checkpoint {folder} is damaged: {problem}. Nothing was "
+            "changed: resume from an earlier checkpoint (--resume PATH), or drop --resume"
         )
 
 
 def _text_files(path: str) -> list[Path]:
-    """The files ``load_text`` would read for ``--data path``."""
-    from fullshard.app.data import TEXT_SUFFIXES
+    """The files ``load_text`` would read for ``--data path``, each checked to be text (not
+    compressed or binary: ``load_text`` would refuse it on every rank)."""
+    from fullshard.app.data import TEXT_SUFFIXES, check_text_file
 
     p = Path(path)
     if p.is_file():
+        check_text_file(p)
         return [p]
     if not p.is_dir():
         raise ConfigError(f"--data {path} is neither a file nor a folder: give a text file")
@@ -224,16 +355,18 @@ def _text_files(path: str) -> list[Path]:
             f"--data {path}: the folder holds no text files ({', '.join(TEXT_SUFFIXES)}): "
             "add some, or give a text file"
         )
+    for f in files:
+        check_text_file(f)
     return files
 
 
-def _check_data(cfg: TrainConfig, world_size: int) -> None:
+def _check_data(cfg: TrainConfig, dims: ParallelDims) -> None:
     """The corpus is not empty, and (byte tokens) gives every rank one training micro-batch."""
     from fullshard.app.data import default_corpus, load_text, split_sizes, windows
     from fullshard.app.token_shards import is_prepared
 
     if is_prepared(cfg.data):
-        _check_prepared(cfg, world_size)
+        _check_prepared(cfg, dims)
         return
     source = f"--data {cfg.data}" if cfg.data else "--data (default: the built-in corpus)"
     size = 0
@@ -245,8 +378,8 @@ def _check_data(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"{source}: {what}: give text to train on")
     if cfg.tokenizer != "byte":
         return  # counting other tokens means tokenizing the corpus: the ranks check it
-    micro = cfg.micro_batch(world_size)
-    world_size //= cfg.tp  # the data-parallel ranks split the corpus
+    micro = cfg.micro_batch(dims.dp)
+    world_size = dims.dp  # the data-parallel ranks split the corpus
     need = micro * (cfg.seq_len + 1) + cfg.seq_len  # training tokens per rank for one batch
 
     def enough(n_tokens: int) -> bool:
@@ -268,7 +401,7 @@ def _check_data(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-def _check_prepared(cfg: TrainConfig, world_size: int) -> None:
+def _check_prepared(cfg: TrainConfig, dims: ParallelDims) -> None:
     """A prepared folder (``fullshard prepare``): its index, tokenizer and split agree with the
     flags, its shard files are intact (NOTE [Verifying token shards]: re-hashed only when their
     stat changed), every id is inside the vocabulary, and every data-parallel rank gets a batch.
@@ -306,8 +439,8 @@ def _check_prepared(cfg: TrainConfig, world_size: int) -> None:
                     f"{Path(cfg.data) / shard['file']}: token id {shard['max_token_id']} is "
                     f"outside the tokenizer's vocabulary of {vocab}: prepare the corpus again"
                 )
-    micro = cfg.micro_batch(world_size)
-    dp = world_size // cfg.tp
+    micro = cfg.micro_batch(dims.dp)
+    dp = dims.dp
     train = int(index["splits"]["train"]["tokens"]) // dp
     if windows(train, cfg.seq_len) < micro:
         raise ConfigError(
@@ -322,12 +455,10 @@ def _check_prepared(cfg: TrainConfig, world_size: int) -> None:
 # trace, bench, plan --check
 
 
-def _check_hf_weights(spec: str) -> None:
-    """A local Hugging Face checkpoint's safetensors fit its model: every parameter present
-    with its shape, every shard file of the index there (headers only; the model on meta)."""
-    kind, name = check_model_spec(spec)
-    if kind != "hf":
-        return
+def _check_hf_weights(spec: str, name: str) -> None:
+    """A local Hugging Face checkpoint's safetensors fit its model (``spec``, named ``name``):
+    every parameter present with its shape, every shard file of the index there (headers only;
+    the model on meta)."""
     from fullshard.app.hf import safetensors_dir
 
     folder = safetensors_dir(name)
@@ -354,28 +485,31 @@ def _check_tensor_parallel(cfg: TrainConfig) -> None:
         check_divisible(block, cfg.tp)
 
 
-def validate_trace(args: argparse.Namespace, world_size: int) -> None:
-    """Every check of ``fullshard trace`` (``world_size``: the ranks it will have)."""
+def validate_trace(args: argparse.Namespace, dims: ParallelDims | int) -> None:
+    """Every check of ``fullshard trace`` (``dims``: the ranks it will have)."""
+    dims = _dims(dims, 1, args.strategy, args.shard_size)
     _at_least(args, 1, "nproc", "batch_size", "seq_len", "steps", "threads")
     _at_least(args, 0, "warmup", "shard_size")
     _positive_seconds(args.timeout, "--timeout")
     _model_and_length(args.model, args.seq_len, "--seq-len")
-    if args.strategy.startswith("hybrid"):
-        from fullshard.engine.sharding import hybrid_shard_size
-
-        try:  # the size the ranks will choose (the engine's default when --shard-size is 0)
-            hybrid_shard_size(world_size, args.shard_size, _local_ranks(world_size))
-        except FullshardError as exc:
-            raise ConfigError(f"--strategy {args.strategy}: {exc}") from None
+    if dims.hybrid:  # the size the ranks will choose (the engine's default when 0)
+        _hybrid_group(dims)
     _writable_folder(args.out, "--out")
     from fullshard.app.launch import check_devices
 
-    check_devices(args.device, args.backend, _local_ranks(world_size))
+    check_devices(args.device, args.backend, dims.local_world)
 
 
 def validate_bench(args: argparse.Namespace) -> list[str]:
     """Every check of ``fullshard bench`` (outside torchrun); returns the variants to run."""
-    from fullshard.app.bench_variants import parse_variants
+    from fullshard.app.bench_variants import MIXED_PRECISION, parse_variants
+
+    if args.mixed_precision not in MIXED_PRECISION:
+        raise ConfigError(
+            f"--mixed-precision {args.mixed_precision}: bench compares "
+            f"{' and '.join(MIXED_PRECISION)} (fp16 needs loss scaling, which not every variant "
+            "has): use one of those"
+        )
 
     _at_least(args, 1, "nproc", "batch_size", "seq_len", "rounds", "threads", "memory_steps")
     _at_least(args, 0, "warmup")
@@ -392,15 +526,40 @@ def validate_bench(args: argparse.Namespace) -> list[str]:
     return variants
 
 
+def validate_plan(args: argparse.Namespace) -> None:
+    """The numbers of ``fullshard plan`` (both modes): counts at least 1, a finite positive
+    ``--params``, a finite positive ``--device-memory`` and a ``--reserve`` fraction in [0, 1).
+    argparse's ``float`` takes ``inf``, ``nan`` and negative numbers; the planner would turn
+    them into a traceback or a report of negative gigabytes."""
+    if args.params is not None and not (math.isfinite(args.params) and args.params >= 1):
+        raise ConfigError(
+            f"--params {args.params} is not a parameter count: give a finite number of at "
+            "least 1, e.g. --params 7e9"
+        )
+    if not (math.isfinite(args.device_memory) and args.device_memory > 0):
+        raise ConfigError(
+            f"--device-memory {args.device_memory} is not a memory size: give the GB of one "
+            "device, a finite positive number, e.g. --device-memory 80"
+        )
+    if not (math.isfinite(args.reserve) and 0.0 <= args.reserve < 1.0):
+        raise ConfigError(
+            f"--reserve {args.reserve} is not a fraction of device memory: give a number in "
+            "[0, 1), e.g. --reserve 0.1 (10% kept back)"
+        )
+    _at_least(args, 1, "devices", "layers", "batch", "devices_per_node", "vocab", "tp")
+    for dest in ("hidden", "heads", "seq", "hybrid_group"):
+        if getattr(args, dest, None) is not None:
+            _at_least(args, 1, dest)
+
+
 def validate_plan_check(args: argparse.Namespace) -> None:
     """Every check of ``fullshard plan --check``: the plan it compares with, and the run."""
     if args.model is None:
         raise ConfigError("--check runs a model: give --model (model mode)")
     if getattr(args, "tp", 1) > 1:
         raise ConfigError("--check does not run tensor parallel yet: drop --tp (or --check)")
-    _at_least(args, 1, "devices", "batch", "check_steps", "devices_per_node")
-    if args.seq is not None:
-        _at_least(args, 1, "seq")
+    validate_plan(args)
+    _at_least(args, 1, "check_steps")
     _model_and_length(args.model, args.seq or 128, "--seq")
     from fullshard.app.plan_check import check_config, check_target
 

@@ -7,7 +7,6 @@ one :class:`~fullshard.engine.sharding.ShardingPlan` (the same units, the same h
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Iterable
 
 import torch
@@ -22,6 +21,7 @@ from fullshard import (
     clip_grad_norm_,
     fully_shard,
 )
+from fullshard.app.dims import ParallelDims
 from fullshard.engine.parallelize import (
     _checkpoint_forward,
     apply_plan,
@@ -55,6 +55,7 @@ def shard_model(
     float8: bool = False,
     reshard_after_forward: bool | int | None = None,
     cpu_offload: bool = False,
+    dims: ParallelDims | None = None,
 ) -> ShardingPlan:
     """Shard ``model``: every submodule of a type in ``unit_types`` becomes one unit, then the root.
 
@@ -64,7 +65,9 @@ def shard_model(
     block first (``fullshard.app.tensor_parallel``), the strategy over the rest. ``float8``:
     :func:`convert_float8` first. ``reshard_after_forward`` (``--reshard-after-forward``): what
     the blocks do after forward, ``fully_shard``'s argument (``None``: the strategy's).
-    ``cpu_offload``: shard with :class:`~fullshard.CPUOffloadPolicy`. A model built with
+    ``cpu_offload``: shard with :class:`~fullshard.CPUOffloadPolicy`. ``dims``: the run's
+    parallel dimensions, whose ``tp`` and ``shard_size`` then replace those arguments (default:
+    the process group's world and torchrun's environment). A model built with
     ``lazy_weights`` is materialised and loaded after sharding
     (:func:`fullshard.app.hf.load_pending`). Returns the plan that was applied.
     """
@@ -75,14 +78,17 @@ def shard_model(
     types = tuple(unit_types)
     if not any(isinstance(m, types) and m is not model for m in model.modules()):
         raise ValueError(f"model {type(model).__name__} has no submodule of type {types}")
+    if dims is None:
+        dims = ParallelDims.from_env(
+            dist.get_world_size(), tp=tp, strategy=strategy, shard_size=shard_size
+        )
+    tp = dims.tp
     if float8:
         if tp > 1:  # the engine refuses hooked TP-local tensors (FSDP2 supports them)
             raise FullshardError("--float8 with --tp is not supported yet; drop one of them")
         convert_float8(model, types)
-    world = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) // tp
     plan = plan_sharding(
-        model, strategy, types, world // tp, shard_size=shard_size, local_world_size=max(local, 1)
+        model, strategy, types, dims.dp, shard_size=dims.shard_size, local_world_size=dims.local_dp
     )
     mesh = None
     if tp > 1:

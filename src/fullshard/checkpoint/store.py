@@ -11,8 +11,8 @@ gathers the model). Only after *every* rank has finished (a barrier) does rank 0
 ``manifest.json`` (size and SHA-256 of every file) and rename the folder to ``step_N``; a rename
 within one directory is atomic. A crash at any point before that leaves only ``.partial``, so
 :func:`latest_checkpoint` still finds the previous checkpoint. Loading verifies the manifest
-first (rank 0 reads the files, every rank gets the verdict), so a truncated or bit-flipped file
-is a clear error on every rank, never silently wrong weights.
+first (each rank hashes its share of the files, every rank gets every verdict), so a truncated
+or bit-flipped file is a clear error on every rank, never silently wrong weights.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
-from fullshard.comm import control
-from fullshard.comm.mesh import default_timeout
 from fullshard.policies import FullshardError
+
+# torch.distributed.checkpoint, DTensor and comm.control (which imports DTensor) are imported by
+# the functions that save, stage and load: the manifest helpers (latest_checkpoint, verify,
+# file_sha256) serve the launcher's validation and data/token_shards, which must not pay their
+# seconds of import.
 
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d{8})$")
@@ -87,13 +87,51 @@ def write_manifest(folder: str, extra: dict[str, Any] | None = None) -> None:
     os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
 
 
-def verify(folder: str) -> str:
-    """Problems with ``folder`` against its manifest ("" when it is intact)."""
+class CheckpointCorrupt(FullshardError):
+    """A checkpoint that does not match its manifest (or whose manifest cannot be read): bad
+    input to a resume, not a failure of the run."""
+
+
+def read_manifest(folder: str) -> dict[str, Any]:
+    """``folder``'s manifest, or :class:`CheckpointCorrupt` naming the file and what is wrong
+    (missing, not JSON, or without its table of files)."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
-        return f"{folder} has no {MANIFEST}: it was never committed (crashed or unfinished save)"
-    with open(path) as f:
-        files = json.load(f)["files"]
+        raise CheckpointCorrupt(
+            f"{folder} has no {MANIFEST}: it was never committed (crashed or unfinished save)"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointCorrupt(
+            f"{path} cannot be read as JSON ({exc}): the manifest is damaged (truncated?), so "
+            "the checkpoint cannot be verified"
+        ) from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
+        isinstance(w, dict) and isinstance(w.get("bytes"), int) and isinstance(w.get("sha256"), str)
+        for w in files.values()
+    ):
+        raise CheckpointCorrupt(
+            f"{path} has no valid table of files (name -> bytes, sha256): the manifest is "
+            "damaged, so the checkpoint cannot be verified"
+        )
+    return dict(manifest)
+
+
+def verify(folder: str, *, hashes: bool = True, names: list[str] | None = None) -> str:
+    """Problems with ``folder`` against its manifest ("" when it is intact).
+
+    ``hashes=False``: only that the manifest parses and every file it names exists with its
+    recorded size (cheap: what ``fullshard train --resume`` checks before launching).
+    ``names``: hash only these of the manifest's files (a rank's share, see
+    :meth:`CheckpointManager.load`); sizes are checked for all of them.
+    """
+    try:
+        files = read_manifest(folder)["files"]
+    except CheckpointCorrupt as exc:
+        return str(exc)
     for name, want in files.items():
         p = os.path.join(folder, name)
         if not os.path.isfile(p):
@@ -101,19 +139,18 @@ def verify(folder: str) -> str:
         size = os.path.getsize(p)
         if size != want["bytes"]:
             return f"{p} has {size} bytes, the manifest says {want['bytes']} (truncated?)"
-        if file_sha256(p) != want["sha256"]:
+    for name in (sorted(files) if names is None else names) if hashes else []:
+        p = os.path.join(folder, name)
+        if name in files and file_sha256(p) != files[name]["sha256"]:
             return f"{p} does not match its SHA-256 in the manifest (corrupted)"
     return ""
-
-
-def _agree(message: str, group: dist.ProcessGroup | None) -> str:
-    """Rank 0's message, on every rank."""
-    return str(control.broadcast_object(message, 0, group))
 
 
 def _barrier(group: dist.ProcessGroup | None, what: str) -> None:
     """Every rank's host arrives before any goes on (NOTE [Atomic commit] needs the hosts, not
     just the device streams, to meet: the files are written by the hosts)."""
+    from fullshard.comm import control
+
     control.host_barrier(group, what=what)
 
 
@@ -124,6 +161,8 @@ def snapshot(obj: Any) -> Any:
     torch's own staging copier cannot copy a DTensor whose local tensor is a view at a storage
     offset, which every shard in a flat unit buffer is.
     """
+    from torch.distributed.tensor import DTensor
+
     if isinstance(obj, DTensor):
         return DTensor.from_local(
             obj.to_local().detach().clone(),
@@ -165,6 +204,8 @@ class _SnapshotStager:
 def _save_errors(partial: str) -> Iterator[None]:
     """DCP reports a failed write on every rank as ``CheckpointException`` (a BaseException):
     turn it into an error that says what it means for the run."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
     except CheckpointException as exc:
@@ -203,6 +244,8 @@ class CheckpointManager:
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> str:
         """Write ``state`` (DTensors / tensors / picklable objects) as checkpoint ``step``."""
+        import torch.distributed.checkpoint as dcp
+
         self.wait()
         final = step_dir(self.root, step)
         partial = final + ".partial"
@@ -229,6 +272,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Finish and commit an async save in flight (every rank must call it)."""
+        from fullshard.comm.mesh import default_timeout
+
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
@@ -248,16 +293,28 @@ class CheckpointManager:
         _barrier(None, "checkpoint committed barrier")
 
     def load(self, state: dict[str, Any], folder: str | None = None) -> str:
-        """Verify, then load into ``state`` in place (DTensors are resharded as needed)."""
+        """Verify, then load into ``state`` in place (DTensors are resharded as needed).
+
+        Every rank hashes its share of the files (file ``i`` of the sorted manifest on rank
+        ``i % world``), and every rank gets every rank's verdict: the same
+        :class:`CheckpointCorrupt` everywhere, before DCP reads a byte.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        from fullshard.comm import control
+
         folder = folder or latest_checkpoint(self.root)
-        problem = ""
         if folder is None:
-            problem = f"no committed checkpoint under {self.root}"
-        elif self.rank == 0:
-            problem = verify(folder)
-        problem = _agree(problem, None)
+            raise FullshardError(f"rank {self.rank}: cannot load checkpoint: no committed "
+                                 f"checkpoint under {self.root}.")  # fmt: skip
+        world = dist.get_world_size()
+        try:
+            names = sorted(read_manifest(folder)["files"])[self.rank :: world]
+        except CheckpointCorrupt:
+            names = []  # verify() reports it
+        problems = control.all_gather_objects(verify(folder, names=names))
+        problem = next((p for p in problems if p), "")
         if problem:
-            raise FullshardError(f"rank {self.rank}: cannot load checkpoint: {problem}.")
-        assert folder is not None
+            raise CheckpointCorrupt(f"cannot load checkpoint {folder}: {problem}")
         dcp.load(state, checkpoint_id=folder)
         return folder
