@@ -35,12 +35,35 @@ DEFAULT_TIMEOUT_S = 120.0
 
 _ctx: Any = None
 
+# What the forkserver imports once, so that no rank re-imports it. ``fullshard`` loads its public
+# names lazily (its ``__init__`` imports nothing heavy), so the modules the ranks use are named
+# here: the ones the eager ``__init__`` used to load (engine, all of ``fullshard.checkpoint``),
+# DTensor and torch.distributed.checkpoint (seconds of import a rank otherwise). The forkserver
+# skips a name that fails to import, so a rank would then import it itself: slower, not wrong.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "fullshard",
+    "fullshard.policies",
+    "fullshard.engine.api",
+    "fullshard.engine.gradients",
+    "fullshard.engine.parallelize",
+    "fullshard.engine.schedule",
+    "fullshard.engine.sharding",
+    "fullshard.checkpoint.export",
+    "fullshard.checkpoint.safetensors_load",
+    "fullshard.checkpoint.state_dict",
+    "fullshard.checkpoint.store",
+]
+
 
 def _context() -> Any:
     global _ctx
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
-        _ctx.set_forkserver_preload(["torch", "torch.distributed", "fullshard"])
+        _ctx.set_forkserver_preload(_PRELOAD)
     return _ctx
 
 

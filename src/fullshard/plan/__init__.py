@@ -6,17 +6,33 @@ Pure library functions over a model description: :func:`plan_analytic` (a parame
 run against the plan) in ``fullshard.app.plan_check``.
 """
 
-from fullshard.plan.accounting import (
-    GB,
-    Plan,
-    PlanConfig,
-    Recommendation,
-    UnitCost,
-    build_plan,
-    fmt_bytes,
-    plan_analytic,
-)
-from fullshard.plan.model import LossStep, measure_activations, model_units, plan_model, recommend
+# Names load on first use (PEP 562), like ``fullshard`` itself: ``import fullshard.plan.accounting``
+# (the launcher's plan validation) need not import ``plan.model`` and the engine modules it uses.
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fullshard._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the real imports, for type checkers and IDEs
+    from fullshard.plan.accounting import (
+        GB,
+        Plan,
+        PlanConfig,
+        Recommendation,
+        UnitCost,
+        build_plan,
+        fmt_bytes,
+        plan_analytic,
+    )
+    from fullshard.plan.model import (
+        LossStep,
+        measure_activations,
+        model_units,
+        plan_model,
+        recommend,
+    )
 
 __all__ = [
     "GB",
@@ -33,3 +49,27 @@ __all__ = [
     "plan_model",
     "recommend",
 ]
+
+# public name -> the module that defines it (the TYPE_CHECKING imports above, as data)
+_SOURCES = {
+    **dict.fromkeys(
+        [
+            "GB",
+            "Plan",
+            "PlanConfig",
+            "Recommendation",
+            "UnitCost",
+            "build_plan",
+            "fmt_bytes",
+            "plan_analytic",
+        ],
+        "fullshard.plan.accounting",
+    ),
+    **dict.fromkeys(
+        ["LossStep", "measure_activations", "model_units", "plan_model", "recommend"],
+        "fullshard.plan.model",
+    ),
+}
+
+
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _SOURCES)

@@ -7,14 +7,24 @@ the engine takes its CUDA path (NOTE [The CUDA path on CPU] in ``comm/device.py`
 ``FULLSHARD_CUDA_EMULATION=1`` does the same for ``fullshard train``.
 """
 
-from fullshard.testing.emulation import (
-    StreamOrderError,
-    VirtualEvent,
-    VirtualStream,
-    cuda_emulation,
-    enabled_from_env,
-    sync_counts,
-)
+# Names load on first use (PEP 562), like the other package ``__init__`` files: importing a
+# package runs no more than the submodules a caller asks for.
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fullshard._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the real imports, for type checkers and IDEs
+    from fullshard.testing.emulation import (
+        StreamOrderError,
+        VirtualEvent,
+        VirtualStream,
+        cuda_emulation,
+        enabled_from_env,
+        sync_counts,
+    )
 
 __all__ = [
     "StreamOrderError",
@@ -24,3 +34,8 @@ __all__ = [
     "enabled_from_env",
     "sync_counts",
 ]
+
+
+__getattr__, __dir__ = lazy_exports(
+    __name__, globals(), dict.fromkeys(__all__, "fullshard.testing.emulation")
+)
