@@ -23,8 +23,10 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff format src tests scripts
 	$(VENV)/bin/ruff check --fix src tests scripts
 
+# two workers (pytest-xdist), one per core; tests sharing a launched run stay on one worker
+# (tests/conftest.py)
 pytest: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 test: lint pytest
 

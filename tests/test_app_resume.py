@@ -1,61 +1,112 @@
-"""``fullshard train --resume``: N steps, stop, resume, M steps == N + M uninterrupted steps."""
+"""``fullshard train`` picks up where it stopped: N steps, stop, resume == N + M uninterrupted
+steps; a rank killed mid-run restarts from the last checkpoint and ends with the same weights.
+
+Both compare against one uninterrupted run (the ``straight`` fixture), launched once.
+"""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from harness import run_command
 from safetensors.torch import load_file
-from test_app_cli import records, run_train
+from test_app_cli import records
+
+from fullshard.app.cli import main
 
 # launches the CLI or torchrun as subprocesses: the top of the test pyramid
 pytestmark = pytest.mark.e2e
 
 ARGS = [
-    "--model", "tiny", "--max-steps", "12", "--seq-len", "64", "--batch-size", "16",
-    "--warmup-steps", "3", "--log-every", "2", "--eval-every", "0", "--sample-tokens", "0",
-    "--nproc", "2", "--timeout", "120", "--no-progress",
+    "--model", "tiny", "--max-steps", "8", "--seq-len", "64", "--batch-size", "16",
+    "--warmup-steps", "2", "--log-every", "1", "--eval-every", "0", "--sample-tokens", "0",
+    "--save-every", "2", "--nproc", "2", "--timeout", "60", "--no-progress",
 ]  # fmt: skip
 
 
-def _convert(ckpt: Path, out: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fullshard.app.cli", "convert", str(ckpt), str(out)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+def _train(root: Path, *extra: str, fault: str = "", deadline_s: float = 240) -> str:
+    """One ``fullshard train`` launch (a fresh process, as a user runs it); returns its stdout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    if fault:
+        env["FULLSHARD_FAULT"] = fault
+    proc = run_command(
+        [
+            sys.executable,
+            "-m",
+            "fullshard.app.cli",
+            "train",
+            *ARGS,
+            "--runs-dir",
+            str(root),
+            *extra,
+        ],
+        deadline_s=deadline_s,
+        what=f"fullshard train {' '.join(extra)}",
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
-def test_stop_resume_equals_uninterrupted_bitwise(tmp_path: Path) -> None:
-    root = str(tmp_path)
-    for extra in (["--name", "straight"], ["--name", "cut", "--stop-after", "6"]):
-        proc = run_train([*ARGS, "--runs-dir", root, *extra])
-        assert proc.returncode == 0, proc.stderr
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's weights, through ``fullshard convert`` (in this process: the
+    console entry point is launched by every test above)."""
+    out = run.parent / f"{run.name}.safetensors"
+    assert main(["convert", str(run / "checkpoints"), str(out)]) == 0
+    return load_file(out)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run (8 steps, a checkpoint every 2)."""
+    root = tmp_path_factory.mktemp("straight")
+    _train(root, "--name", "straight")
+    return root / "straight"
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_stop_resume_equals_uninterrupted_bitwise(straight: Path, tmp_path: Path) -> None:
+    _train(tmp_path, "--name", "cut", "--stop-after", "3")
     cut = tmp_path / "cut" / "checkpoints"
-    assert sorted(os.listdir(cut)) == ["step_00000006"]  # stopped after step 6, checkpointed
-    proc = run_train([*ARGS, "--runs-dir", root, "--name", "cut", "--resume", "latest"])
-    assert proc.returncode == 0, proc.stderr
-    assert "resumed from step 6" in proc.stdout
+    assert sorted(os.listdir(cut)) == ["step_00000002", "step_00000003"]  # and the stop's own
+    out = _train(tmp_path, "--name", "cut", "--resume", "latest")
+    assert "resumed from step 3" in out
     # the same losses at every logged step, and the same weights, bit for bit
-    straight = {r["step"]: r["loss"] for r in records(tmp_path / "straight")}
-    resumed = {r["step"]: r["loss"] for r in records(tmp_path / "cut")}
-    assert straight == resumed
-    for name in ("straight", "cut"):
-        proc = _convert(tmp_path / name / "checkpoints", tmp_path / f"{name}.safetensors")
-        assert proc.returncode == 0, proc.stderr
-    a, b = load_file(tmp_path / "straight.safetensors"), load_file(tmp_path / "cut.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {r["step"]: r["loss"] for r in records(straight)} == {
+        r["step"]: r["loss"] for r in records(tmp_path / "cut")
+    }
+    _same_weights(straight, tmp_path / "cut")
 
 
-def test_convert_refuses_a_corrupted_checkpoint(tmp_path: Path) -> None:
-    proc = run_train([*ARGS, "--runs-dir", str(tmp_path), "--name", "r", "--max-steps", "2"])
-    assert proc.returncode == 0, proc.stderr
-    ckpt = tmp_path / "r" / "checkpoints" / "step_00000002"
+def test_killed_rank_restarts_from_last_checkpoint_and_matches(
+    straight: Path, tmp_path: Path
+) -> None:
+    # a restart that hangs (a survivor waiting on the dead rank) fails the test at the deadline
+    out = _train(tmp_path, "--name", "crash", "--max-restarts", "2", fault="kill:rank=1:step=5")
+    assert "[fault] rank 1 killed at step 5" in out
+    assert "resumed from step 4" in out
+    _same_weights(straight, tmp_path / "crash")  # the same result as never crashing
+
+
+def test_convert_refuses_a_corrupted_checkpoint(
+    straight: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "step_00000008"
+    ckpt.mkdir()
+    for f in (straight / "checkpoints" / "step_00000008").iterdir():
+        (ckpt / f.name).write_bytes(f.read_bytes())  # a copy: the straight run stays whole
     victim = sorted(ckpt.glob("*.distcp"))[0]
     victim.write_bytes(victim.read_bytes()[:-10])
-    proc = _convert(ckpt, tmp_path / "out.safetensors")
-    assert proc.returncode == 2
-    assert "failed verification" in proc.stderr and "truncated" in proc.stderr
+    capsys.readouterr()
+    assert main(["convert", str(ckpt), str(tmp_path / "out.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "failed verification" in err and "truncated" in err
+    assert not (tmp_path / "out.safetensors").exists()

@@ -208,14 +208,55 @@ def _train(tmp: str, name: str, *flags: str) -> dict:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model", ["tiny", "hf:llama-tiny"])
-def test_train_tp2_on_4_ranks_follows_2_data_parallel_ranks(tmp_path: str, model: str) -> None:
-    # the same global batches: TP splits each block's matrices, not the data
+def test_train_tp2_on_4_ranks_follows_2_data_parallel_ranks(tmp_path: str) -> None:
+    # the same global batches: TP splits each block's matrices, not the data. The Hugging
+    # Face Llama plan through the CLI; the built-in GPT's plan is the next test's, in float64.
+    model = "hf:llama-tiny"
     tp = _train(str(tmp_path), "tp", "--model", model, "--nproc", "4", "--tp", "2")
     dp = _train(str(tmp_path), "dp", "--model", model, "--nproc", "2")
     assert tp["world_size"] == 4 and dp["world_size"] == 2
     for key in ("start_loss", "end_loss", "final_val_loss"):
         assert tp[key] == pytest.approx(dp[key], abs=1e-5), key
+
+
+def _builtin_gpt_tp(rank: int, world: int) -> dict:
+    # What `fullshard train --model tiny --tp 2` builds (app/tensor_parallel.py's plan for the
+    # built-in GPT blocks, then fully_shard over dp), against one process on the whole batch.
+    from fullshard.app.models import build_model, lm_loss
+    from fullshard.app.tensor_parallel import apply_tensor_parallel
+
+    torch.set_default_dtype(torch.float64)
+    ref = build_model("tiny", 64, seed=3).double()
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    blocks = [m for m in model.modules() if isinstance(m, model.unit_types)]
+    apply_tensor_parallel(model, blocks, mesh["tp"])
+    for block in blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    tokens = torch.randint(
+        0, 64, (2, world // 2, 2, 17), generator=torch.Generator().manual_seed(5)
+    )
+    for step in range(2):
+        lm_loss(model, tokens[step][rank // 2]).backward()
+        lm_loss(ref, tokens[step].reshape(-1, 17)).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    sharded_over_tp = [n for n, p in model.named_parameters() if len(p.placements) == 2]
+    return {
+        "diff": max((full[n] - p).abs().max().item() for n, p in ref.named_parameters()),
+        "tp_params": len(sharded_over_tp),
+    }
+
+
+def test_the_builtin_gpt_plan_matches_one_process() -> None:
+    for r in run_ranks(_builtin_gpt_tp, 4, timeout_s=180):
+        assert r["diff"] <= 1e-10, r
+        assert r["tp_params"] > 0, r  # the plan really split the blocks' matrices
 
 
 def _cuda_tp_mesh(rank: int, world: int) -> str:
