@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from harness import run_command
+from safetensors.torch import load_file
 
 from fullshard.app.cli import main
 from fullshard.app.config import load_toml
@@ -28,13 +30,32 @@ BASE = [
 ]  # fmt: skip
 
 
-def run_train(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m fullshard.app.cli train ARGS`` as a fresh process (not under torchrun)."""
+def run_train(
+    args: list[str], timeout: float = 240, *, fault: str = "", emulated: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m fullshard.app.cli train ARGS`` as a fresh process (not under torchrun);
+    past ``timeout`` it and its ranks are killed and the test fails naming the command.
+
+    ``fault``: a ``FULLSHARD_FAULT`` drill; ``emulated``: the CUDA path, checked on CPU (NOTE [The
+    CUDA path on CPU])."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run(
+    if fault:
+        env["FULLSHARD_FAULT"] = fault
+    if emulated:
+        env["FULLSHARD_CUDA_EMULATION"] = "1"
+    return run_command(
         [sys.executable, "-m", "fullshard.app.cli", "train", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, check=False,
-    )  # fmt: skip
+        deadline_s=timeout,
+        what=f"fullshard train{' with fault ' + fault if fault else ''}",
+        env=env,
+    )
+
+
+def converted(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
+    """The weights of checkpoint ``ckpt`` (or the newest in a folder of them) through ``fullshard
+    convert``, in this process (the console entry point is what ``run_train`` launches)."""
+    assert main(["convert", str(ckpt), str(out)]) == 0
+    return load_file(out)
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:

@@ -6,19 +6,14 @@ uninterrupted run."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import run_command
-from safetensors.torch import load_file
-from test_app_cli import records
+from test_app_cli import converted, records, run_train
 
-from fullshard.app.cli import main
 from fullshard.app.faults import Fault, fault_from_env
 from fullshard.policies import FullshardError
 
@@ -35,23 +30,7 @@ ARGS = [
 def _train(
     args: list[str], fault: str = "", deadline_s: float = 300, emulated: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    if fault:
-        env["FULLSHARD_FAULT"] = fault
-    if emulated:  # the CUDA path, checked on CPU (NOTE [The CUDA path on CPU])
-        env["FULLSHARD_CUDA_EMULATION"] = "1"
-    return run_command(
-        [sys.executable, "-m", "fullshard.app.cli", "train", *ARGS, *args],
-        deadline_s=deadline_s,
-        what=f"fullshard train{' with fault ' + fault if fault else ''}",
-        env=env,
-    )
-
-
-def _weights(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's weights through ``fullshard convert``, in this process."""
-    assert main(["convert", str(ckpt), str(out)]) == 0
-    return load_file(out)
+    return run_train([*ARGS, *args], deadline_s, fault=fault, emulated=emulated)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +53,9 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(nan_run: Path, tmp_path: P
     assert "step 3: non-finite loss or gradient, optimizer step skipped" in stdout
     assert {"step": 3, "skipped": "non-finite loss or gradient"} in records(nan_run)
     ckpts = nan_run / "checkpoints"
-    w2 = _weights(ckpts / "step_00000002", tmp_path / "2.safetensors")
-    w3 = _weights(ckpts / "step_00000003", tmp_path / "3.safetensors")
-    w4 = _weights(ckpts / "step_00000004", tmp_path / "4.safetensors")
+    w2 = converted(ckpts / "step_00000002", tmp_path / "2.safetensors")
+    w3 = converted(ckpts / "step_00000003", tmp_path / "3.safetensors")
+    w4 = converted(ckpts / "step_00000004", tmp_path / "4.safetensors")
     assert all(torch.equal(w2[k], w3[k]) for k in w2)  # step 3 changed nothing, on any rank
     assert not all(torch.equal(w3[k], w4[k]) for k in w3)  # and training went on
 
@@ -102,8 +81,8 @@ def test_on_the_cuda_path_the_device_skips_the_step_and_quiet_steps_never_sync(
     print(f"\nhost syncs per step under the emulation: {syncs}")
     assert summary["skipped_nonfinite"] == [3]
     assert [syncs[str(s)] for s in (2, 3, 4)] == [0, 0, 0], syncs  # quiet steps, step 3 too
-    a = _weights(nan_run / "checkpoints", tmp_path / "a.safetensors")
-    b = _weights(tmp_path / "emulated" / "checkpoints", tmp_path / "b.safetensors")
+    a = converted(nan_run / "checkpoints", tmp_path / "a.safetensors")
+    b = converted(tmp_path / "emulated" / "checkpoints", tmp_path / "b.safetensors")
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
 
 

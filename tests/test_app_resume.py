@@ -7,14 +7,11 @@ Both compare against one uninterrupted run (the ``straight`` fixture), launched 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import run_command
-from safetensors.torch import load_file
-from test_app_cli import records
+from test_app_cli import converted, records, run_train
 
 from fullshard.app.cli import main
 
@@ -30,34 +27,9 @@ ARGS = [
 
 def _train(root: Path, *extra: str, fault: str = "", deadline_s: float = 240) -> str:
     """One ``fullshard train`` launch (a fresh process, as a user runs it); returns its stdout."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    if fault:
-        env["FULLSHARD_FAULT"] = fault
-    proc = run_command(
-        [
-            sys.executable,
-            "-m",
-            "fullshard.app.cli",
-            "train",
-            *ARGS,
-            "--runs-dir",
-            str(root),
-            *extra,
-        ],
-        deadline_s=deadline_s,
-        what=f"fullshard train {' '.join(extra)}",
-        env=env,
-    )
+    proc = run_train([*ARGS, "--runs-dir", str(root), *extra], deadline_s, fault=fault)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
-
-
-def _weights(run: Path) -> dict[str, torch.Tensor]:
-    """The newest checkpoint's weights, through ``fullshard convert`` (in this process: the
-    console entry point is launched by every test above)."""
-    out = run.parent / f"{run.name}.safetensors"
-    assert main(["convert", str(run / "checkpoints"), str(out)]) == 0
-    return load_file(out)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +41,8 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _same_weights(a: Path, b: Path) -> None:
-    wa, wb = _weights(a), _weights(b)
+    wa = converted(a / "checkpoints", a.parent / f"{a.name}.safetensors")
+    wb = converted(b / "checkpoints", b.parent / f"{b.name}.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
