@@ -144,6 +144,11 @@ import os, sys, time
 from pathlib import Path
 
 mode, rank = sys.argv[2], os.environ["RANK"]
+if mode in ("forked", "fresh"):  # NOTE [Ranks from a forkserver]: forked by the server
+    forked = os.getppid() != int(os.environ["LAUNCHER_PID"]) and os.getcwd() in sys.path
+    sys.exit(0 if forked == (mode == "forked") else 8)
+if mode == "raise":  # an uncaught exception: its traceback and status 1, as `python -m` gives
+    raise ValueError(f"boom on rank {rank}")
 if mode == "ok":  # the launcher validated: the ranks are told so
     sys.exit(0 if os.environ.get("FULLSHARD_VALIDATED") == "1" else 9)
 if mode == "input-error":  # what fullshard.app.errors.report_error does on a rank
@@ -189,3 +194,34 @@ def test_launcher_statuses(
         assert message in err
     if mode == "input-error":  # one message: the agent's "failed (exitcode: 65)" lines dropped
         assert err.strip().splitlines() == [message], err
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_ranks_are_forked_from_a_server_unless_fresh_interpreters_are_asked(
+    tmp_path: Any, fresh: bool
+) -> None:
+    import os
+
+    (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(tmp_path)  # found by a forked rank too, as by `python -m`
+    env["LAUNCHER_PID"] = str(os.getpid())
+    mode = "fresh" if fresh else "forked"
+    got = launch.launch_local(
+        2, ["fake", mode], module="fake_rank", env=env, fresh_interpreters=fresh
+    )
+    assert got == 0
+
+
+def test_a_forked_rank_that_raises_prints_its_traceback_and_fails(
+    tmp_path: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(tmp_path)
+    assert launch.launch_local(2, ["fake", "raise"], module="fake_rank", env=env) == 1
+    err = capfd.readouterr().err
+    assert 'raise ValueError(f"boom on rank {rank}")' in err and "ValueError: boom on rank" in err
+    assert "fullshard: rank " in err and "failed (exit status 1" in err

@@ -361,9 +361,19 @@ def _rank_flags(args: argparse.Namespace, variants: list[str]) -> list[str]:
     return [*forward_flags(parser, args, exclude=skip), f"--variants={','.join(variants)}"]
 
 
-def _launch(nproc: int, argv: list[str], env: dict[str, str], timeout: float) -> int:
-    """``python -m fullshard.app.bench <argv>`` on ``nproc`` ranks, within ``timeout`` seconds."""
-    return launch_local(nproc, argv, module="fullshard.app.bench", env=env, timeout_s=timeout)
+def _launch(nproc: int, argv: list[str], memory: bool, timeout: float) -> int:
+    """``python -m fullshard.app.bench <argv>`` on ``nproc`` ranks, within ``timeout`` seconds.
+
+    Memory launches start new interpreters (the malloc settings of :func:`_rank_env` are read at
+    process start); the timing launch forks its ranks (NOTE [Ranks from a forkserver])."""
+    return launch_local(
+        nproc,
+        argv,
+        module="fullshard.app.bench",
+        env=_rank_env(memory),
+        timeout_s=timeout,
+        fresh_interpreters=memory,
+    )
 
 
 def _rank_env(memory: bool) -> dict[str, str]:
@@ -429,7 +439,7 @@ def main_bench(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="fullshard-bench-") as tmp:
         timing_path = Path(tmp) / "timing.json"
         argv = [*flags, "--bench-phase=time", f"--bench-result={timing_path}"]
-        rc = _launch(args.nproc, argv, _rank_env(memory=False), args.timeout)
+        rc = _launch(args.nproc, argv, False, args.timeout)
         if rc != 0 or not timing_path.exists():
             print(f"fullshard bench: the timing launch failed (status {rc})", file=sys.stderr)
             return 1
@@ -439,7 +449,7 @@ def main_bench(args: argparse.Namespace) -> int:
             path = Path(tmp) / f"memory-{name}.json"
             argv = [*flags, f"--variants={name}", "--bench-phase=memory", f"--bench-result={path}"]
             nproc = 1 if name == "single" else args.nproc
-            rc = _launch(nproc, argv, _rank_env(memory=True), args.timeout)
+            rc = _launch(nproc, argv, True, args.timeout)
             if rc == 0 and path.exists():
                 memory[name] = json.loads(path.read_text())
             else:

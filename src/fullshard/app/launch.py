@@ -4,6 +4,14 @@
 the same arguments; under torchrun (ours or an external ``torchrun --nnodes ...``) the environment
 variables ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` say who we are,
 and the same code path runs.
+
+NOTE [Ranks from a forkserver]: our launcher's ranks are forked from one ``forkserver`` process
+that imported torch and the rank code once (:data:`RANK_PRELOAD`), instead of N fresh
+interpreters importing them side by side (about 5 s of CPU each). The server is a fresh
+interpreter, started by the agent inside the launch's environment, with no threads and no CUDA
+context, so a fork of it is as clean as a new process; a rank still runs ``python -m <module>``'s
+code path (:func:`run_rank`). Launches whose ranks read the environment at process start (bench's
+memory launches set glibc's malloc variables) ask for ``fresh_interpreters``.
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ import os
 import signal
 import sys
 import tempfile
+import traceback
+import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,6 +54,7 @@ __all__ = [
     "rank_device",
     "rank_session",
     "resolve_backend",
+    "run_rank",
     "under_torchrun",
 ]
 
@@ -122,10 +134,25 @@ class _QuietAfterInputError(logging.Filter):
         return not os.path.exists(self.marker)
 
 
+class _NoExitTraceback(logging.Filter):
+    """Keeps the agent's "failed (exitcode: N) local_rank: R" line for a forked rank but drops
+    the traceback it attaches: that is the agent's own poll loop noticing the exit status, which
+    says nothing the line does not (a rank's own traceback is on its stderr already)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from torch.multiprocessing.spawn import ProcessExitedException
+
+        if record.exc_info and isinstance(record.exc_info[1], ProcessExitedException):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
 @contextlib.contextmanager
 def _agent_logs_filtered(marker: str) -> Iterator[None]:
-    """:class:`_QuietAfterInputError` on every handler torch's loggers write through."""
-    quiet = _QuietAfterInputError(marker)
+    """:class:`_QuietAfterInputError` and :class:`_NoExitTraceback` on every handler torch's
+    loggers write through."""
+    filters = [_QuietAfterInputError(marker), _NoExitTraceback()]
     # torch's loggers write through handlers of their own (torch._logging), not the root's
     loggers = [logging.getLogger(), logging.getLogger("torch")] + [
         lg
@@ -136,12 +163,86 @@ def _agent_logs_filtered(marker: str) -> Iterator[None]:
     if logging.lastResort is not None:
         handlers.add(logging.lastResort)
     for h in handlers:
-        h.addFilter(quiet)
+        for f in filters:
+            h.addFilter(f)
     try:
         yield
     finally:
         for h in handlers:
-            h.removeFilter(quiet)
+            for f in filters:
+                h.removeFilter(f)
+
+
+# What the forkserver imports once for every rank it forks (NOTE [Ranks from a forkserver]): the
+# heavy imports of a training rank. A name that fails to import is skipped by multiprocessing;
+# the rank then imports it itself (slower, not wrong).
+RANK_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "fullshard.app.launch",
+    "fullshard.app.cli",
+    "fullshard.app.trainer",
+]
+
+
+# A forked rank runs the launcher's ``-m`` module again (multiprocessing's fix-up of __main__, and
+# run_rank's ``python -m``), which runpy warns is imported already: the server preloaded it on
+# purpose. Set here, the filter is in the server and every rank forked from it.
+warnings.filterwarnings("ignore", r"'fullshard\.[\w.]+' found in sys\.modules", RuntimeWarning)
+
+
+def run_rank(env: dict[str, str], module: str, argv: list[str]) -> None:
+    """One rank of :func:`launch_local`, forked from the forkserver: ``python -u -m <module>
+    <argv>`` in this process.
+
+    The environment becomes the launch's ``env`` plus what torchrun's agent set for this rank
+    (``RANK``, ``LOCAL_RANK``, ...): the server's own copy may be older than this launch; the
+    search path gets the working directory and ``PYTHONPATH``, as ``python -m`` has them. An
+    exception ends the rank with its traceback on stderr and status 1, as the interpreter does
+    (torch's wrapper would only write it to an error file).
+    """
+    merged = {**{k: v for k, v in os.environ.items() if k not in env}, **env}
+    os.environ.clear()
+    os.environ.update(merged)
+    for stream in (sys.stdout, sys.stderr):  # -u: lines reach the launch's output as they come
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True, write_through=True)
+    # the search path ``python -m`` would have: the working directory, then PYTHONPATH
+    wanted = [os.getcwd(), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    sys.path[:0] = [p for p in wanted if p not in sys.path]
+    sys.argv = [module, *argv]
+    import runpy
+
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        sys.exit(130)  # torch's wrapper would turn it into status 0
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def _run_agent(args: argparse.Namespace, env: dict[str, str], module: str, argv: list[str]) -> None:
+    """What ``torch.distributed.run.run`` does for ``--standalone``, with :func:`run_rank` as the
+    workers' entry point and a forkserver to start them."""
+    import multiprocessing
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    args.rdzv_backend = "c10d"
+    args.rdzv_endpoint = "localhost:0"
+    args.rdzv_id = str(uuid.uuid4())
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    # no effect once this process's forkserver runs (a second launch reuses it)
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    elastic_launch(config=config, entrypoint=run_rank)(env, module, list(argv))
 
 
 def launch_local(
@@ -152,9 +253,13 @@ def launch_local(
     module: str = "fullshard.app.cli",
     env: dict[str, str] | None = None,
     timeout_s: float | None = None,
+    fresh_interpreters: bool = False,
 ) -> int:
     """Run ``python -m <module> <argv>`` on ``nproc`` local ranks through torch.distributed.run,
     whose agent runs in this process (one interpreter and one torch import fewer per launch).
+    The ranks are forked from a forkserver that imported torch once (NOTE [Ranks from a
+    forkserver]); ``fresh_interpreters``: each rank is a new interpreter instead, for ranks that
+    read their environment at process start.
 
     Call it after validating ``argv``: the ranks are told not to validate again. Returns 0 when
     every rank succeeded; :data:`~fullshard.app.preempt.PREEMPTED_EXIT` (75) when the ranks
@@ -198,7 +303,10 @@ def launch_local(
         signals = AgentSignals(send=send, timeout_s=timeout_s)
         try:
             with _environ(env), _agent_logs_filtered(error), signals:
-                run(args)
+                if fresh_interpreters:
+                    run(args)
+                else:
+                    _run_agent(args, env, module, argv)
         except ChildFailedError as exc:
             failure, status = exc, 1
         except SignalException:
