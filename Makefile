@@ -5,10 +5,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint fmt pytest clean
 
+# Bytecode is compiled as modules are first imported, not at install (--no-compile): the suite
+# imports a fraction of torch and transformers, and compiling all of them was half the set-up's
+# time. So bytecode must be written: PYTHONDONTWRITEBYTECODE (set on some machines) would make
+# every process compile torch again.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-compile torch==2.13.0 -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
