@@ -14,6 +14,9 @@ unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile torch==2.13.0 -e '.[dev]'
+	# what every rank and test imports, compiled once now: read back even where a shell outside
+	# make sets PYTHONDONTWRITEBYTECODE
+	$(PY) -c 'import torch.distributed.tensor, torch.distributed.checkpoint, transformers, fullshard.app.trainer, fullshard.app.cli, pytest, xdist'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -249,10 +249,11 @@ ENTRY_CASES = [
     ("prepare", ["prepare", "empties", "--out", "o"], "no text to prepare"),
     ("prepare", ["prepare", "binaries", "--out", "o"], "the folder holds no input files"),
 ]
-# As a user runs them (a fresh interpreter, the console module): one command that launches
-# ranks and one that does not; every case again in this process below (each fresh
-# interpreter costs seconds of a suite that must stay short).
-CONSOLE_CASES = [ENTRY_CASES[0], ENTRY_CASES[5]]
+# As a user runs them (a fresh interpreter, the console module): a command that does not launch
+# ranks here; one that does is test_corrupted_checkpoint_found_on_the_ranks_is_one_message's
+# (``fullshard train``, its one message and status 2 from a fresh interpreter). Every case again
+# in this process below (each fresh interpreter costs seconds of a suite that must stay short).
+CONSOLE_CASES = [ENTRY_CASES[5]]
 
 
 @pytest.mark.parametrize(("command", "argv", "message"), CONSOLE_CASES)
@@ -461,28 +462,33 @@ def test_plan_numbers(argv: list[str], message: str, capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.e2e
-def test_corrupted_checkpoint_found_on_the_ranks_is_one_message(tmp_path: Path) -> None:
-    """A bit flipped in ``.metadata`` keeps its size: the ranks' hashes find it. One message
-    from the launcher, status 2, no torchrun traceback, the run's config.toml as it was."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-    common = [
-        sys.executable, "-m", "fullshard.app.cli", "train", "--model", "tiny", "--seq-len", "32",
-        "--batch-size", "4", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
-        "--runs-dir", str(tmp_path), "--name", "r", "--timeout", "60",
-    ]  # fmt: skip
-    run = subprocess.run([*common, "--max-steps", "1"], capture_output=True, text=True,
-                         timeout=240, env=env, check=False)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    meta = tmp_path / "r" / "checkpoints" / "step_00000001" / ".metadata"
+def test_corrupted_checkpoint_found_on_the_ranks_is_one_message(workdir: Path) -> None:
+    """A bit flipped in ``.metadata`` keeps its size: the launcher's check (the manifest and the
+    sizes) passes it, the ranks' hashes find it. One message from the launcher, status 2, no
+    torchrun traceback, the run's config.toml as it was.
+
+    The checkpoint is ``_fake_checkpoint``'s, with a manifest of its files' true sizes and
+    hashes: the ranks hash every file before DCP reads a byte, so what the files hold is not
+    read (a real run's checkpoint would cost a launch more)."""
+    step = _fake_checkpoint(workdir)
+    meta = step / ".metadata"
     data = bytearray(meta.read_bytes())
     data[len(data) // 2] ^= 0xFF
     meta.write_bytes(bytes(data))
-    config = (tmp_path / "r" / "config.toml").read_bytes()
-    proc = subprocess.run([*common, "--max-steps", "3", "--resume", "latest"],
-                          capture_output=True, text=True, timeout=240, env=env, check=False)  # fmt: skip
+    validate_train(TrainConfig(resume="latest", name="exp", runs_dir=str(workdir / "runs")), 2)
+    run = workdir / "runs" / "exp"
+    config = (run / "config.toml").read_bytes()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "fullshard.app.cli", "train", "--model", "tiny", "--seq-len",
+         "32", "--batch-size", "4", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
+         "--runs-dir", str(workdir / "runs"), "--name", "exp", "--timeout", "60",
+         "--max-steps", "6", "--resume", "latest"],
+        capture_output=True, text=True, timeout=240, env=env, check=False,
+    )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     _one_error("train", proc.stderr, proc.stdout, ".metadata does not match its SHA-256")
     assert "--resume latest: cannot load checkpoint" in proc.stderr
-    assert (tmp_path / "r" / "config.toml").read_bytes() == config
-    assert sorted(os.listdir(tmp_path / "r" / "checkpoints")) == ["step_00000001"]
+    assert (run / "config.toml").read_bytes() == config
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_00000004"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from harness import run_command
+from harness import run_command, run_ranks
 from safetensors.torch import load_file
 
 from fullshard.app.cli import main
@@ -22,10 +23,10 @@ from fullshard.app.config import load_toml
 # launches the CLI or torchrun as subprocesses: the top of the test pyramid
 pytestmark = pytest.mark.e2e
 
-# A short run on the default corpus: the tiny model, 40 steps, evaluated twice.
+# A short run on the default corpus: the tiny model, 20 steps, evaluated twice.
 BASE = [
-    "--model", "tiny", "--max-steps", "40", "--seq-len", "64", "--batch-size", "16",
-    "--warmup-steps", "5", "--eval-every", "20", "--eval-batches", "2", "--log-every", "5",
+    "--model", "tiny", "--max-steps", "20", "--seq-len", "64", "--batch-size", "16",
+    "--warmup-steps", "5", "--eval-every", "10", "--eval-batches", "2", "--log-every", "5",
     "--sample-tokens", "20", "--nproc", "2", "--timeout", "120",
 ]  # fmt: skip
 
@@ -49,6 +50,50 @@ def run_train(
         what=f"fullshard train{' with fault ' + fault if fault else ''}",
         env=env,
     )
+
+
+def main_in_process(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, deadline_s: float = 240
+) -> int:
+    """``fullshard ARGV`` through ``main`` in this process, not under torchrun; its status.
+
+    For tests that read only the files a launch writes: no launcher interpreter (and its torch
+    import), and the ranks fork from this process's forkserver, so what they print goes to that
+    server's output, not the test's (tests that check it use ``run_train``). Past
+    ``deadline_s`` the launch's ranks are killed and the status is 124, as ``run_train``'s
+    deadline ends its process."""
+    import functools
+
+    import fullshard.app.launch as launch
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    bounded = functools.partial(launch.launch_local, timeout_s=deadline_s)
+    monkeypatch.setattr(launch, "launch_local", bounded)
+    return main(argv)
+
+
+def cli_rank(rank: int, world: int, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """What a rank of a launch runs (the CLI's ``main`` in torchrun's environment, with ``env``
+    set too), on a rank of the harness: the trainer joins the harness's process group. Its exit
+    status and what it printed."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    os.environ.update(env)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def train_on_ranks(
+    args: list[str], *, world: int = 2, env: dict[str, str] | None = None, timeout_s: float = 300
+) -> list[dict[str, Any]]:
+    """``fullshard train ARGS``'s ranks on ``world`` ranks of the harness, no launch (no launcher
+    interpreter, no agent): every rank's :func:`cli_rank`. For runs whose launch is not what a
+    test is about (a reference run, a mechanism of the ranks alone)."""
+    return run_ranks(cli_rank, world, ["train", *args], env or {}, timeout_s=timeout_s)
 
 
 def converted(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -103,14 +148,14 @@ def test_run_folder_has_config_metrics_plot_and_sample(runs: Path) -> None:
         assert (run / name).is_file(), name
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     resolved = load_toml(str(run / "config.toml"))
-    assert resolved["model"] == "tiny" and resolved["max_steps"] == 40  # flags beat the file
+    assert resolved["model"] == "tiny" and resolved["max_steps"] == 20  # flags beat the file
     assert resolved["progress"] is False  # from the file
     recs = records(run)
-    assert [r["step"] for r in recs] == [1, 5, 10, 15, 20, 25, 30, 35, 40]
+    assert [r["step"] for r in recs] == [1, 5, 10, 15, 20]
     for r in recs:
         assert len(r["mem_mib"]) == 2 and all(m > 50 for m in r["mem_mib"])  # both ranks' RSS
         assert r["tokens_per_s"] > 0 and r["lr"] > 0
-    assert [r["step"] for r in recs if "val_loss" in r] == [20, 40]
+    assert [r["step"] for r in recs if "val_loss" in r] == [10, 20]
     stdout = (run / "stdout.txt").read_text()
     assert "--- sample ---" in stdout and "2 ranks (gloo)" in stdout
     assert (run / "sample.txt").read_text().startswith("The ")
@@ -176,7 +221,7 @@ def test_no_progress_bar_lines_in_pipes_but_plain_log_lines(runs: Path) -> None:
     logged = [line for line in stdout.splitlines() if line.startswith("step ")]
     steps = [int(line.split()[1].split("/")[0]) for line in logged]
     assert steps == [r["step"] for r in records(runs / "b")]
-    assert all("/40: loss " in line and "tok/s | mem r0 " in line for line in logged)
+    assert all("/20: loss " in line and "tok/s | mem r0 " in line for line in logged)
     assert sum("val_loss" in line for line in logged) == 2
 
 

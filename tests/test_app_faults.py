@@ -1,24 +1,24 @@
 """``fullshard train`` under faults: NaN on one rank (host-decided, and on the CUDA path).
 
-A rank killed mid-run is tests/test_app_resume.py's: it compares against that file's
-uninterrupted run."""
+What a launched rank runs (the CLI's ``main`` in torchrun's environment, ``FULLSHARD_FAULT``
+and the CUDA emulation read from it) runs on the harness's ranks (test_app_cli.train_on_ranks):
+the trainer joins the process group already there. What NaN handling does is the ranks' alone;
+the launch around it (its statuses, a rank's failure) is tests/test_app_launch.py's, and a whole
+launch under a fault (a rank killed and restarted) is tests/test_app_resume.py's.
+"""
 
 from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from test_app_cli import converted, records, run_train
+from test_app_cli import converted, records, train_on_ranks
 
 from fullshard.app.faults import Fault, fault_from_env
 from fullshard.policies import FullshardError
-
-# launches the CLI or torchrun as subprocesses: the top of the test pyramid
-pytestmark = pytest.mark.e2e
 
 ARGS = [
     "--model", "tiny", "--seq-len", "64", "--batch-size", "16", "--warmup-steps", "2",
@@ -27,10 +27,11 @@ ARGS = [
 ]  # fmt: skip
 
 
-def _train(
-    args: list[str], fault: str = "", deadline_s: float = 300, emulated: bool = False
-) -> subprocess.CompletedProcess[str]:
-    return run_train([*ARGS, *args], deadline_s, fault=fault, emulated=emulated)
+def _train(args: list[str], fault: str, emulated: bool = False) -> list[dict]:
+    """Every rank's status and output of a 2-rank run with the ``FULLSHARD_FAULT`` drill
+    ``fault``; ``emulated``: the CUDA path, checked on CPU (NOTE [The CUDA path on CPU])."""
+    env = {"FULLSHARD_FAULT": fault, **({"FULLSHARD_CUDA_EMULATION": "1"} if emulated else {})}
+    return train_on_ranks([*ARGS, *args], env=env)
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +39,13 @@ def nan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """5 steps with a NaN on rank 1 at step 3 and a checkpoint after every step, host-decided
     (plain CPU): the NaN test reads it, and the CUDA-path test compares its final weights."""
     root = tmp_path_factory.mktemp("nan")
-    proc = _train(
+    ranks = _train(
         ["--max-steps", "5", "--save-every", "1", "--keep", "5", "--runs-dir", str(root)]
         + ["--name", "n"],
         fault="nan:rank=1:step=3",
     )
-    assert proc.returncode == 0, proc.stderr
-    (root / "n" / "stdout.txt").write_text(proc.stdout)
+    assert [r["status"] for r in ranks] == [0, 0], ranks
+    (root / "n" / "stdout.txt").write_text(ranks[0]["stdout"])  # rank 0 prints the run's lines
     return root / "n"
 
 
@@ -69,13 +70,13 @@ def test_on_the_cuda_path_the_device_skips_the_step_and_quiet_steps_never_sync(
     (``nan_run``: the same 5 steps on plain CPU, where checkpoints and logging change no bit;
     fused AdamW rounds differently from foreach AdamW)."""
     common = ["--max-steps", "5", "--log-every", "5", "--save-every", "0"]
-    proc = _train(
+    ranks = _train(
         [*common, "--runs-dir", str(tmp_path), "--name", "emulated"],
         fault="nan:rank=1:step=3",
         emulated=True,
     )
-    assert proc.returncode == 0, proc.stderr
-    assert "step 3: non-finite loss or gradient, optimizer step skipped" in proc.stdout
+    assert [r["status"] for r in ranks] == [0, 0], ranks
+    assert "step 3: non-finite loss or gradient, optimizer step skipped" in ranks[0]["stdout"]
     summary = json.loads((tmp_path / "emulated" / "summary.json").read_text())
     syncs = summary["host_syncs_per_step"]
     print(f"\nhost syncs per step under the emulation: {syncs}")
@@ -87,12 +88,13 @@ def test_on_the_cuda_path_the_device_skips_the_step_and_quiet_steps_never_sync(
 
 
 def test_nan_with_on_nonfinite_stop_fails_every_rank_with_the_step(tmp_path: Path) -> None:
-    proc = _train(
+    ranks = _train(
         ["--max-steps", "4", "--on-nonfinite", "stop", "--runs-dir", str(tmp_path), "--name", "s"],
         fault="nan:rank=1:step=3",
     )
-    assert proc.returncode != 0
-    assert proc.stderr.count("step 3 produced a non-finite loss") == 2  # both ranks say so
+    for rank, r in enumerate(ranks):  # both ranks say so, and fail
+        assert r["status"] != 0, r
+        assert r["stderr"].count("step 3 produced a non-finite loss") == 1, (rank, r)
 
 
 def test_signal_fault_spec(monkeypatch: pytest.MonkeyPatch) -> None:

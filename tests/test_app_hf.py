@@ -6,9 +6,6 @@ Skipped as a whole when transformers (the optional ``fullshard[hf]`` extra) is n
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -62,15 +59,13 @@ def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
         build_hf_model(str(tmp_path / "nothing"), 256)
 
 
-def _train(runs: Path, name: str, *args: str) -> list[dict]:
-    """Run ``fullshard train ... --nproc 2`` into ``runs/name``; its metrics records."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "fullshard.app.cli", "train", *args, "--nproc", "2",
-         "--no-progress", "--runs-dir", str(runs), "--name", name],
-        capture_output=True, text=True, timeout=240, env=env, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def _train(runs: Path, name: str, monkeypatch: pytest.MonkeyPatch, *args: str) -> list[dict]:
+    """``fullshard train ... --nproc 2`` into ``runs/name``, launched from this process (the
+    console entry is the other train tests'); its metrics records."""
+    from test_app_cli import main_in_process
+
+    argv = ["train", *args, "--nproc", "2", "--no-progress", "--runs-dir", str(runs)]
+    assert main_in_process([*argv, "--name", name], monkeypatch) == 0
     return [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -117,30 +112,56 @@ def _lazy_vs_full(rank: int, world: int, folder: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("tie,shards", [(True, "5GB"), (False, "60KB")])
-def test_lazy_safetensors_build_loads_each_ranks_rows(
-    tmp_path: Path, tie: bool, shards: str
-) -> None:
+def _lazy_vs_full_each(rank: int, world: int, folders: list[str]) -> list[dict]:
+    """``_lazy_vs_full`` of each checkpoint folder in turn, on the same ranks."""
+    return [_lazy_vs_full(rank, world, folder) for folder in folders]
+
+
+LAZY_CASES = [(True, "5GB"), (False, "60KB")]  # tied, one file; untied, sharded with an index
+
+
+@pytest.fixture(scope="module")
+def lazy_loads(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[bool, str], tuple]:
+    """``(folder, every rank's result)`` per ``LAZY_CASES`` case; one launch of 2 ranks loads
+    every folder (each rank imports transformers once)."""
     from harness import run_ranks
 
-    folder = _save_llama(tmp_path, tie=tie, max_shard_size=shards)
+    folders = [
+        _save_llama(tmp_path_factory.mktemp(f"llama_{shards}"), tie=tie, max_shard_size=shards)
+        for tie, shards in LAZY_CASES
+    ]
+    per_rank = run_ranks(_lazy_vs_full_each, 2, [str(f) for f in folders])
+    return {
+        case: (folder, [r[i] for r in per_rank])
+        for i, (case, folder) in enumerate(zip(LAZY_CASES, folders, strict=True))
+    }
+
+
+@pytest.mark.parametrize("tie,shards", LAZY_CASES)
+def test_lazy_safetensors_build_loads_each_ranks_rows(
+    lazy_loads: dict[tuple[bool, str], tuple], tie: bool, shards: str
+) -> None:
+    folder, results = lazy_loads[(tie, shards)]
     assert (folder / "model.safetensors.index.json").is_file() == (shards == "60KB")
-    for r in run_ranks(_lazy_vs_full, 2, str(folder)):
+    assert len(results) == 2
+    for r in results:
         assert r["on_meta"] and r["buffers_real"], r
         assert r["unequal"] == [] and r["buffers"] and r["logits"], r
         assert r["tied"] == tie
 
 
 @pytest.mark.e2e  # launches `fullshard train` through torchrun
-def test_train_cli_with_a_tiny_llama_checkpoint(tmp_path: Path) -> None:
+def test_train_cli_with_a_tiny_llama_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``--model hf:DIR`` with safetensors weights: built on meta, each rank loads its own rows
     (the same weights as the full load: test_lazy_safetensors_build_loads_each_ranks_rows),
     then trains, evaluates and samples."""
     folder = _save_llama(tmp_path / "llama", tie=True)
     recs = _train(
-        tmp_path / "runs", "hf", "--model", f"hf:{folder}", "--max-steps", "6", "--seq-len",
-        "32", "--batch-size", "8", "--log-every", "2", "--eval-every", "6", "--eval-batches",
-        "1", "--sample-tokens", "8",
+        tmp_path / "runs", "hf", monkeypatch, "--model", f"hf:{folder}", "--max-steps", "6",
+        "--seq-len", "32", "--batch-size", "8", "--log-every", "2", "--eval-every", "6",
+        "--eval-batches", "1", "--sample-tokens", "8",
     )  # fmt: skip
     assert [r["step"] for r in recs] == [1, 2, 4, 6]
     assert recs[-1]["loss"] < recs[0]["loss"]

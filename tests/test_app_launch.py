@@ -213,15 +213,24 @@ def test_ranks_are_forked_from_a_server_unless_fresh_interpreters_are_asked(
     assert got == 0
 
 
-def test_a_forked_rank_that_raises_prints_its_traceback_and_fails(
-    tmp_path: Any, capfd: pytest.CaptureFixture[str]
-) -> None:
+def test_a_forked_rank_that_raises_prints_its_traceback_and_fails(tmp_path: Any) -> None:
     import os
+    import subprocess
+    import sys
 
+    # its own launcher process: a forkserver this test process started earlier writes to the
+    # stderr it had then, which capfd does not see
     (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = str(tmp_path)
-    assert launch.launch_local(2, ["fake", "raise"], module="fake_rank", env=env) == 1
-    err = capfd.readouterr().err
+    env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env.get("PYTHONPATH", "")
+    code = (
+        "import sys; from fullshard.app import launch; "
+        "sys.exit(launch.launch_local(2, ['fake', 'raise'], module='fake_rank'))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 1, proc.stderr
+    err = proc.stderr
     assert 'raise ValueError(f"boom on rank {rank}")' in err and "ValueError: boom on rank" in err
     assert "fullshard: rank " in err and "failed (exit status 1" in err

@@ -1,10 +1,15 @@
 """Preemption: a stop signal on any rank, on ``fullshard train`` or on torchrun's agent stops
-every rank after the same step with a complete checkpoint and status 75; ``--resume latest``
-then continues bit for bit (NOTE [Preemption] in fullshard.app.preempt)."""
+every rank after the same step with a complete checkpoint and status 75; the checkpoint holds
+exactly what the uninterrupted run holds after that step (model, optimizer, scheduler, data
+position), so ``--resume latest`` continues bit for bit (NOTE [Preemption] in
+fullshard.app.preempt). That a resume from a run's own stop checkpoint equals the uninterrupted
+run, bit for bit, is tests/test_app_resume.py's (the same checkpoint, saved at the stop by the
+same code)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -18,12 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from test_app_cli import records, run_train
+from test_app_cli import records, train_on_ranks
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from fullshard.app.preempt import PREEMPTED_EXIT, AgentSignals, StopSignals, signal_name
-from fullshard.checkpoint import convert, latest_checkpoint, verify
+from fullshard.checkpoint import verify
 
 # launches the CLI or torchrun as subprocesses: the top of the test pyramid
 pytestmark = pytest.mark.e2e
@@ -36,6 +40,8 @@ TRAIN = [
 ]  # fmt: skip
 ARGS = [*TRAIN, "--nproc", "2"]
 DEADLINE_S = 180.0
+# the step the first test's rank-1 signal lands on (seeded); the straight run checkpoints there
+SIGNAL_STEP = random.Random(15).randint(3, 12)
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -78,46 +84,73 @@ def _logged_step(run: Path) -> int:
     return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else 0
 
 
-def _weights(run: Path) -> dict[str, torch.Tensor]:
-    """The final weights of ``run``, from its newest checkpoint (verified against its manifest)."""
-    folder = latest_checkpoint(str(run / "checkpoints"))
-    assert folder is not None and verify(folder) == ""
-    return load_file(convert(folder, str(run / "weights.safetensors")))
+def _state(folder: Path, out: Path) -> dict:
+    """Everything checkpoint ``folder`` holds (model and optimizer shards at their full shape,
+    the run state: step, scheduler, every rank's data position and RNG), read offline after
+    its files are verified against its manifest."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    assert verify(str(folder)) == ""
+    dcp_to_torch_save(str(folder), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def _same(a: object, b: object) -> bool:
+    """``a`` and ``b`` hold the same values, tensors bit for bit (dtype and shape too)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and _same(vars(a), vars(b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
 
 
 @dataclass(frozen=True)
 class Straight:
     run: Path
-    weights: dict[str, torch.Tensor]
+    state: dict  # its checkpoint after SIGNAL_STEP: what a run preempted there must hold
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Straight:
-    """The uninterrupted run every preempted-and-resumed run must equal."""
+    """The uninterrupted run every preempted run must equal; it also checkpoints after
+    ``SIGNAL_STEP`` (checkpoints change no bit of training), for the first test's comparison.
+    Its ranks run on the harness's, no launch: the launches are the preempted runs'."""
     root = tmp_path_factory.mktemp("straight")
-    proc = run_train([*ARGS, "--runs-dir", str(root), "--name", "straight"])
-    assert proc.returncode == 0, proc.stderr
-    return Straight(root / "straight", _weights(root / "straight"))
+    ranks = train_on_ranks(
+        [*ARGS, "--save-every", str(SIGNAL_STEP), "--keep", "0"]
+        + ["--runs-dir", str(root), "--name", "straight"]
+    )
+    assert [r["status"] for r in ranks] == [0, 0], ranks
+    run = root / "straight"
+    return Straight(run, _state(run / "checkpoints" / f"step_{SIGNAL_STEP:08d}", root / "s.pt"))
 
 
-def _resume_equals_straight(run: Path, straight: Straight, preempted_after: int) -> None:
-    """``--resume latest`` from the preemption checkpoint ends where the straight run ended."""
+def _preempted_like_straight(run: Path, straight: Straight, preempted_after: int) -> None:
+    """The preemption checkpoint holds the straight run's state after the same step, bit for
+    bit: ``--resume latest`` from it continues as the straight run went on."""
     ckpts = sorted(os.listdir(run / "checkpoints"))
     assert ckpts == [f"step_{preempted_after:08d}"]  # committed, nothing partial left over
-    assert verify(str(run / "checkpoints" / ckpts[0])) == ""  # every file complete
     summary = json.loads((run / "summary.json").read_text())
     assert summary["preempted_after"] == preempted_after
-    proc = run_train(
-        [*ARGS, "--runs-dir", str(run.parent), "--name", run.name, "--resume", "latest"]
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert f"resumed from step {preempted_after}" in proc.stdout
-    # the same loss at every logged step, and the same final weights, bit for bit
+    # the same loss at every logged step up to the stop
     assert [(r["step"], r["loss"]) for r in records(run)] == [
-        (r["step"], r["loss"]) for r in records(straight.run)
+        (r["step"], r["loss"]) for r in records(straight.run)[:preempted_after]
     ]
-    a, b = straight.weights, _weights(run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = _state(run / "checkpoints" / ckpts[0], run.parent / "cut.pt")  # every file complete
+    assert set(state) == {"model", "optim", "run"} and state["run"].step == preempted_after
+    assert state["model"] and state["optim"]["state"]
+    # Every rank's global RNG state is saved, but each process starts it unseeded and training
+    # never draws from it (the model, the data and sampling use seeded generators): not compared.
+    assert len(state["run"].rng) == len(straight.state["run"].rng) == 2
+
+    def without_rng(s: dict) -> dict:
+        return {**s, "run": dataclasses.replace(s["run"], rng=[])}
+
+    assert _same(without_rng(state), without_rng(straight.state))
 
 
 def test_signal_on_one_rank_stops_every_rank_after_that_step(
@@ -125,7 +158,7 @@ def test_signal_on_one_rank_stops_every_rank_after_that_step(
 ) -> None:
     # Rank 1 alone gets SIGTERM as a seeded random step starts (the hook makes it exact), and
     # again as the preemption checkpoint's save starts: the save must neither die nor tear.
-    step = random.Random(15).randint(3, 12)
+    step = SIGNAL_STEP
     fault = f"signal:rank=1:step={step}:sig=TERM:repeat=2"
     env = _env(FULLSHARD_FAULT=fault)
     proc = subprocess.run(
@@ -137,13 +170,13 @@ def test_signal_on_one_rank_stops_every_rank_after_that_step(
     assert "sends itself SIGTERM again, during the preemption checkpoint's save" in proc.stdout
     assert f"preempted after step {step} (SIGTERM): checkpoint " in proc.stdout
     assert "Traceback" not in proc.stderr  # torchrun's ChildFailedError is ours to report
-    _resume_equals_straight(tmp_path / "cut", straight, step)
+    _preempted_like_straight(tmp_path / "cut", straight, step)
 
 
 def test_signal_to_fullshard_train_reaches_the_ranks(straight: Straight, tmp_path: Path) -> None:
     # A real signal to our CLI process (SLURM's usual warning; Kubernetes sends SIGTERM to the
-    # container's first process), then SIGTERM as soon as the checkpoint folder appears. The
-    # resume from such a checkpoint is the first test's (the same path).
+    # container's first process), then SIGTERM as soon as the checkpoint folder appears. What
+    # such a checkpoint holds is the first test's (the same path).
     run = tmp_path / "cut"
     cmd = [sys.executable, "-m", "fullshard.app.cli", "train", *ARGS,
            "--runs-dir", str(tmp_path), "--name", "cut"]  # fmt: skip
@@ -167,8 +200,8 @@ def test_signal_to_fullshard_train_reaches_the_ranks(straight: Straight, tmp_pat
 
 def test_sigterm_to_the_torchrun_agent(straight: Straight, tmp_path: Path) -> None:
     # An external torchrun (as under SLURM's srun): its agent forwards SIGTERM to the ranks
-    # and waits for them (--shutdown-timeout) before it would SIGKILL them. The resume from
-    # such a checkpoint is the first test's (the same path).
+    # and waits for them (--shutdown-timeout) before it would SIGKILL them. What such a
+    # checkpoint holds is the first test's (the same path).
     run = tmp_path / "cut"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fullshard.app.cli", "train", *TRAIN,

@@ -1,7 +1,8 @@
 """``fullshard train`` picks up where it stopped: N steps, stop, resume == N + M uninterrupted
 steps; a rank killed mid-run restarts from the last checkpoint and ends with the same weights.
 
-Both compare against one uninterrupted run (the ``straight`` fixture), launched once.
+Both happen in one run (a launch each costs seconds), compared against one uninterrupted run
+(the ``straight`` fixture), run once.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_app_cli import converted, records, run_train
+from test_app_cli import converted, records, run_train, train_on_ranks
 
 from fullshard.app.cli import main
 
@@ -34,9 +35,11 @@ def _train(root: Path, *extra: str, fault: str = "", deadline_s: float = 240) ->
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run (8 steps, a checkpoint every 2)."""
+    """The uninterrupted run (8 steps, a checkpoint every 2): its ranks on the harness's, no
+    launch (what is compared is what the ranks compute; the runs compared with it launch)."""
     root = tmp_path_factory.mktemp("straight")
-    _train(root, "--name", "straight")
+    ranks = train_on_ranks([*ARGS, "--runs-dir", str(root), "--name", "straight"])
+    assert [r["status"] for r in ranks] == [0, 0], ranks
     return root / "straight"
 
 
@@ -46,27 +49,37 @@ def _same_weights(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_stop_resume_equals_uninterrupted_bitwise(straight: Path, tmp_path: Path) -> None:
-    _train(tmp_path, "--name", "cut", "--stop-after", "3")
-    cut = tmp_path / "cut" / "checkpoints"
-    assert sorted(os.listdir(cut)) == ["step_00000002", "step_00000003"]  # and the stop's own
-    out = _train(tmp_path, "--name", "cut", "--resume", "latest")
-    assert "resumed from step 3" in out
-    # the same losses at every logged step, and the same weights, bit for bit
-    assert {r["step"]: r["loss"] for r in records(straight)} == {
-        r["step"]: r["loss"] for r in records(tmp_path / "cut")
-    }
-    _same_weights(straight, tmp_path / "cut")
-
-
-def test_killed_rank_restarts_from_last_checkpoint_and_matches(
+def test_killed_rank_restarts_then_stop_and_resume_equal_uninterrupted_bitwise(
     straight: Path, tmp_path: Path
 ) -> None:
+    """One run through both ways of stopping early, checked against ``straight`` at the end.
+
+    Rank 1 is killed as step 4 starts: torchrun restarts both ranks, which resume from the last
+    checkpoint (step 2; step 3 is trained again). That attempt stops after 5 steps
+    (``--stop-after`` counts from where it resumed; the killed attempt would have stopped after
+    step 5) with a checkpoint of its own, off the ``--save-every`` grid; ``--resume latest`` then
+    trains the rest. Every logged loss (the retrained step 3 both times) and the final weights
+    are the uninterrupted run's, bit for bit.
+    """
     # a restart that hangs (a survivor waiting on the dead rank) fails the test at the deadline
-    out = _train(tmp_path, "--name", "crash", "--max-restarts", "2", fault="kill:rank=1:step=5")
-    assert "[fault] rank 1 killed at step 5" in out
-    assert "resumed from step 4" in out
-    _same_weights(straight, tmp_path / "crash")  # the same result as never crashing
+    out = _train(
+        tmp_path, "--name", "cut", "--max-restarts", "2", "--stop-after", "5",
+        fault="kill:rank=1:step=4",
+    )  # fmt: skip
+    assert "[fault] rank 1 killed at step 4" in out
+    assert "resumed from step 2" in out
+    assert "stopped after step 7 (--stop-after)" in out
+    cut = tmp_path / "cut" / "checkpoints"  # the last 3 (--keep): the stop's own is the third
+    assert sorted(os.listdir(cut)) == ["step_00000004", "step_00000006", "step_00000007"]
+    out = _train(tmp_path, "--name", "cut", "--resume", "latest")
+    assert "resumed from step 7" in out
+    # the same losses at every logged step, and the same weights, bit for bit
+    want = {r["step"]: r["loss"] for r in records(straight)}
+    got = [(r["step"], r["loss"]) for r in records(tmp_path / "cut")]
+    assert {step for step, _ in got} == set(want) == set(range(1, 9))
+    assert [step for step, _ in got].count(3) == 2  # logged by the killed attempt, and again
+    assert all(loss == want[step] for step, loss in got), (got, want)
+    _same_weights(straight, tmp_path / "cut")
 
 
 def test_convert_refuses_a_corrupted_checkpoint(

@@ -81,13 +81,39 @@ def _resume(rank: int, world: int, root: str, saved_world: int, steps: int) -> d
     return {"diff": max((got[k] - want[k]).abs().max().item() for k in want)}
 
 
-@pytest.mark.parametrize("saved,loaded", [(4, 3), (4, 2), (1, 4), (3, 4)])
+def _resume_each(rank: int, world: int, cases: list[tuple[str, int]]) -> list[dict]:
+    """``_resume`` of each ``(root, saved_world)`` checkpoint in turn, on the same ranks."""
+    return [_resume(rank, world, root, saved, 2) for root, saved in cases]
+
+
+RESHARDS = [(4, 3), (4, 2), (1, 4), (3, 4)]  # (saved world size, loaded world size)
+
+
+@pytest.fixture(scope="module")
+def reshard_diffs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], list]:
+    """Every rank's result of each ``RESHARDS`` case. A checkpoint is saved once per saved world
+    size (4 -> 3 and 4 -> 2 load the same one: a load only reads it), and the checkpoints loaded
+    on one world size are loaded by one launch of it, one after the other."""
+    roots = {}
+    for saved in sorted({s for s, _ in RESHARDS}):
+        roots[saved] = str(tmp_path_factory.mktemp(f"saved_on_{saved}"))
+        run_ranks(_save, saved, roots[saved], 2)
+    out: dict[tuple[int, int], list] = {}
+    for loaded in sorted({n for _, n in RESHARDS}):
+        saved_on = [s for s, n in RESHARDS if n == loaded]
+        per_rank = run_ranks(_resume_each, loaded, [(roots[s], s) for s in saved_on])
+        for i, s in enumerate(saved_on):
+            out[(s, loaded)] = [r[i] for r in per_rank]
+    return out
+
+
+@pytest.mark.parametrize("saved,loaded", RESHARDS)
 def test_load_on_another_world_size_then_step_matches(
-    tmp_path: str, saved: int, loaded: int
+    reshard_diffs: dict[tuple[int, int], list], saved: int, loaded: int
 ) -> None:
-    root = str(tmp_path)
-    run_ranks(_save, saved, root, 2)
-    for res in run_ranks(_resume, loaded, root, saved, 2):
+    results = reshard_diffs[(saved, loaded)]
+    assert len(results) == loaded
+    for res in results:
         assert res["diff"] <= 1e-12, res
 
 
@@ -187,11 +213,27 @@ def _corrupt(rank: int, world: int, root: str, how: str) -> str:
     return ""
 
 
-@pytest.mark.parametrize("how,says", [("flip", "SHA-256"), ("truncate", "truncated")])
+def _corrupt_each(rank: int, world: int, root: str, hows: list[str]) -> dict[str, str]:
+    """``_corrupt`` for each kind of damage, each in a folder of its own, on the same ranks."""
+    return {how: _corrupt(rank, world, os.path.join(root, how), how) for how in hows}
+
+
+CORRUPTIONS = [("flip", "SHA-256"), ("truncate", "truncated")]
+
+
+@pytest.fixture(scope="module")
+def corrupt_messages(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
+    root = str(tmp_path_factory.mktemp("corrupt"))
+    return run_ranks(_corrupt_each, 2, root, [how for how, _ in CORRUPTIONS])
+
+
+@pytest.mark.parametrize("how,says", CORRUPTIONS)
 def test_corrupted_checkpoint_is_a_clear_error_on_every_rank(
-    tmp_path: str, how: str, says: str
+    corrupt_messages: list[dict[str, str]], how: str, says: str
 ) -> None:
-    for msg in run_ranks(_corrupt, 2, str(tmp_path), how):
+    assert len(corrupt_messages) == 2
+    for by_how in corrupt_messages:
+        msg = by_how[how]
         assert says in msg and ".distcp" in msg, msg
 
 
@@ -288,9 +330,30 @@ def _interop(rank: int, world: int, root: str, direction: str) -> dict:
     return {"diff": max((a[k] - b[k]).abs().max().item() for k in a)}
 
 
-@pytest.mark.parametrize("direction", ["fsdp2_to_fullshard", "fullshard_to_fsdp2"])
-def test_interop_with_torch_fsdp2_checkpoints(tmp_path: str, direction: str) -> None:
-    for res in run_ranks(_interop, 2, str(tmp_path), direction):
+def _interop_each(rank: int, world: int, root: str, directions: list[str]) -> dict[str, dict]:
+    """``_interop`` in each direction, each with a checkpoint folder of its own."""
+    out = {}
+    for d in directions:
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+        out[d] = _interop(rank, world, os.path.join(root, d), d)
+    return out
+
+
+DIRECTIONS = ["fsdp2_to_fullshard", "fullshard_to_fsdp2"]
+
+
+@pytest.fixture(scope="module")
+def interop_diffs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict]]:
+    return run_ranks(_interop_each, 2, str(tmp_path_factory.mktemp("interop")), DIRECTIONS)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_interop_with_torch_fsdp2_checkpoints(
+    interop_diffs: list[dict[str, dict]], direction: str
+) -> None:
+    assert len(interop_diffs) == 2
+    for by_direction in interop_diffs:
+        res = by_direction[direction]
         assert res["diff"] <= 1e-12, res
 
 

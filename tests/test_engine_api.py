@@ -1,9 +1,18 @@
 """The FSDPModule API: state dicts, gradient accumulation without sync, unshard/reshard,
-explicit prefetch, meta-device init, and the errors fully_shard raises on every rank."""
+explicit prefetch, meta-device init, and the errors fully_shard raises on every rank.
+
+The tests of one world size share one launch (``_at``: a launch costs seconds, a case a
+fraction of one); each case builds its own models from its own seed in a rank reset to a fresh
+process's default dtype, and a case that raises fails its own test only.
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from commcount import RS, C10dCounter
@@ -46,7 +55,7 @@ def _state_dict(rank: int, world: int) -> dict:
 
 
 def test_state_dict_is_dtensor_shards_and_loads_back() -> None:
-    for res in run_ranks(_state_dict, 3):
+    for res in _of(3, "state_dict"):
         assert res == {"no_copy": True, "equal": True, "dt": True, "full": True}
 
 
@@ -79,14 +88,14 @@ def _accumulate(rank: int, world: int, k: int, sync_every: bool = False) -> dict
 
 
 def test_gradient_accumulation_without_sync_equals_one_big_batch() -> None:
-    for res in run_ranks(_accumulate, 2, 3):
+    for res in _of(2, "accumulate"):
         assert res["diff"] <= 1e-12, res
         assert res["reduces_before_last"] == [0, 0]
 
 
 def test_sharded_gradients_accumulate_across_backward_calls() -> None:
     # sync on every backward: each reduce-scatter adds into .grad, like plain PyTorch
-    for res in run_ranks(_accumulate, 3, 2, True):
+    for res in _of(3, "accumulate_sync_every"):
         assert res["diff"] <= 1e-12, res
         assert res["reduces_before_last"] == [4]  # one per unit, every backward
 
@@ -131,7 +140,7 @@ def _manual(rank: int, world: int) -> dict:
 
 
 def test_unshard_reshard_and_explicit_prefetch() -> None:
-    for rank, res in enumerate(run_ranks(_manual, 2)):
+    for rank, res in enumerate(_of(2, "manual")):
         assert res["gathered_ok"] and res["same"] and res["is_fsdp"]
         assert res["shard_shape"] == ((7, 12) if rank == 0 else (6, 12))  # 13 rows over 2 ranks
         assert res["back_shape"] == res["shard_shape"]
@@ -162,7 +171,7 @@ def _meta_init(rank: int, world: int) -> dict:
 
 
 def test_meta_device_init_then_to_empty() -> None:
-    for res in run_ranks(_meta_init, 2):
+    for res in _of(2, "meta_init"):
         assert "meta device" in res["meta_error"] and "to_empty" in res["meta_error"]
         assert "blocks.0.fc1.weight" in res["meta_error"] or "fc1.weight" in res["meta_error"]
         assert res["trained"]
@@ -216,7 +225,7 @@ def _errors(rank: int, world: int) -> dict:
 
 
 def test_errors_say_what_and_where_on_every_rank() -> None:
-    for res in run_ranks(_errors, 2):
+    for res in _of(2, "errors"):
         assert "head.weight" in res["tied"] and "embed.weight" in res["tied"], res["tied"]
         assert "one unit" in res["tied"]
         assert "'scale'" in res["zero_dim"] and "(1,)" in res["zero_dim"]
@@ -267,7 +276,7 @@ def _local_steps(rank: int, world: int) -> dict:
 def test_elementwise_optimizers_step_local_shards_and_leave_dtensors_behind() -> None:
     # NOTE [Local optimizer steps]: AdamW steps over plain local views, a subclass over the
     # DTensors themselves; both leave DTensor parameters and state behind and agree bitwise
-    for res in run_ranks(_local_steps, 2):
+    for res in _of(2, "local_steps"):
         assert res["same"], res
         for name in ("local", "dtensor"):
             r = res[name]
@@ -276,3 +285,43 @@ def test_elementwise_optimizers_step_local_shards_and_leave_dtensors_behind() ->
         # the elementwise AdamW stepped over plain local shards, the subclass over DTensors
         assert res["local"]["stepped_dtensors"] == [False, False], res
         assert res["dtensor"]["stepped_dtensors"] == [True, True], res
+
+
+# world size -> case -> (fn, args): each test's ``fn(rank, world, *args)``
+CASES: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {
+    2: {
+        "accumulate": (_accumulate, (3,)),
+        "manual": (_manual, ()),
+        "meta_init": (_meta_init, ()),
+        "errors": (_errors, ()),
+        "local_steps": (_local_steps, ()),
+    },
+    3: {
+        "state_dict": (_state_dict, ()),
+        "accumulate_sync_every": (_accumulate, (2, True)),
+    },
+}
+
+
+def _cases(rank: int, world: int) -> dict[str, dict]:
+    """Each case of this world size in turn: its result, or the traceback it raised."""
+    out = {}
+    for name, (fn, args) in CASES[world].items():
+        torch.set_default_dtype(torch.float32)  # what a fresh rank starts with
+        try:
+            out[name] = {"result": fn(rank, world, *args)}
+        except Exception:
+            out[name] = {"raised": traceback.format_exc()}
+    return out
+
+
+@functools.cache
+def _at(world: int) -> list[dict[str, dict]]:
+    return run_ranks(_cases, world, timeout_s=300)
+
+
+def _of(world: int, name: str) -> list[Any]:
+    """One case's result on every rank (its traceback, if it raised)."""
+    for r in _at(world):
+        assert "raised" not in r[name], r[name]["raised"]
+    return [r[name]["result"] for r in _at(world)]

@@ -8,8 +8,13 @@ read from the error itself."""
 
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
 import time
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +24,14 @@ from toy import Block, ToyLM, batches, loss_of, shard_toy
 
 import fullshard
 from fullshard import FullshardError, fully_shard
+
+
+def _in_env(rank: int, world: int, env: dict[str, str], fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(rank, world, *args)`` with ``env`` set in the rank. The test process's own
+    ``os.environ`` does not reliably reach the ranks: they fork from a server started at the
+    test process's first launch, which keeps the environment of that moment."""
+    os.environ.update(env)
+    return fn(rank, world, *args)
 
 
 def _catch(fn) -> dict:  # type: ignore[no-untyped-def]
@@ -70,12 +83,16 @@ def test_another_branch_is_caught_at_once_by_the_payload_tags() -> None:
         assert "No result of this collective was used" in msg, msg
 
 
+# The waits below are as short as keeps each failure mode apart: a process group timeout of 3 s
+# (every collective of a launch, its start-up barrier included, must finish within it) and a
+# report wait of 1 s where the other rank is known never to report (gone, or asleep for longer).
+
+
 def test_different_micro_batch_counts_fail_within_the_timeout_naming_positions() -> None:
-    os.environ["FULLSHARD_REPORT_WAIT_S"] = "3"
-    try:
-        res = run_ranks(_desync, 2, "micro_batches", timeout_s=90, pg_timeout_s=8)
-    finally:
-        del os.environ["FULLSHARD_REPORT_WAIT_S"]
+    # both ranks wait in a collective the other never issues: the process group's timeout
+    # ends both waits; each rank then reports at once (a report wait of 2 s covers the skew)
+    env = {"FULLSHARD_REPORT_WAIT_S": "2"}
+    res = run_ranks(_in_env, 2, env, _desync, "micro_batches", timeout_s=90, pg_timeout_s=3)
     for r in res:
         assert r["type"] == "DesyncError", r
         assert "rank 0: reduce-scatter of unit" in r["error"], r
@@ -85,11 +102,8 @@ def test_different_micro_batch_counts_fail_within_the_timeout_naming_positions()
 def test_a_skipped_forward_makes_the_busier_rank_fail_naming_the_other() -> None:
     # rank 1 skips one step: its collectives pair with rank 0's (same units, same order) until
     # it has run out of steps and left; rank 0's next collective then fails, naming rank 1
-    os.environ["FULLSHARD_REPORT_WAIT_S"] = "3"
-    try:
-        res = run_ranks(_desync, 2, "skip_forward", timeout_s=90, pg_timeout_s=8)
-    finally:
-        del os.environ["FULLSHARD_REPORT_WAIT_S"]
+    env = {"FULLSHARD_REPORT_WAIT_S": "1"}
+    res = run_ranks(_in_env, 2, env, _desync, "skip_forward", timeout_s=90, pg_timeout_s=3)
     assert res[0]["type"] == "DesyncError", res[0]
     assert "rank 1: did not report" in res[0]["error"] and "step 3" in res[0]["error"]
     assert res[1]["error"] == ""  # it finished its (shorter) loop
@@ -124,7 +138,7 @@ def test_debug_mode_catches_a_size_mismatch_at_once() -> None:
 
 
 def _dead_rank(rank: int, world: int) -> dict:
-    os.environ["FULLSHARD_REPORT_WAIT_S"] = "3"
+    os.environ["FULLSHARD_REPORT_WAIT_S"] = "1"  # rank 1 is gone: it never reports
     torch.manual_seed(0)
     model = shard_toy(ToyLM())
     data = batches(3, world)
@@ -134,56 +148,52 @@ def _dead_rank(rank: int, world: int) -> dict:
     return _catch(lambda: loss_of(model, data[1][rank]).backward())
 
 
-def test_a_dead_rank_is_named_by_the_survivors() -> None:
-    with pytest.raises(RanksFailed) as info:
-        run_ranks(_dead_rank, 2, timeout_s=90, pg_timeout_s=20)
-    text = str(info.value)
-    assert "rank 1 raised" in text and "exited with code 1" in text  # the one we killed
-    assert "rank 0 raised" not in text  # the survivor returned its caught error instead
-
-
-def _dead_rank_report(rank: int, world: int) -> dict:
-    res = _dead_rank(rank, world)
-    return res
-
-
-def test_survivor_error_names_the_lost_rank() -> None:
-    # run_ranks fails because rank 1 died; the survivor's own error is checked via a file
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rank0.txt")
-        with pytest.raises(RanksFailed):
-            run_ranks(_survivor, 2, path, timeout_s=90, pg_timeout_s=20)
-        with open(path) as f:
-            msg = f.read()
-    assert "rank 1: did not report" in msg, msg
-    assert "rank 0:" in msg and "unit '" in msg, msg
-
-
 def _survivor(rank: int, world: int, path: str) -> None:
     res = _dead_rank(rank, world)
     with open(path, "w") as f:
         f.write(res["error"])
 
 
+@functools.cache
+def _dead_rank_run() -> tuple[str, str]:
+    """One launch whose rank 1 dies: what run_ranks raised, and the survivor's own error (a
+    file: run_ranks fails because rank 1 died, so rank 0's return value never comes back)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rank0.txt")
+        with pytest.raises(RanksFailed) as info:
+            run_ranks(_survivor, 2, path, timeout_s=90, pg_timeout_s=20)
+        with open(path) as f:
+            return str(info.value), f.read()
+
+
+def test_a_dead_rank_is_named_by_the_survivors() -> None:
+    text = _dead_rank_run()[0]
+    assert "rank 1 raised" in text and "exited with code 1" in text  # the one we killed
+    assert "rank 0 raised" not in text  # the survivor caught its error instead of raising
+
+
+def test_survivor_error_names_the_lost_rank() -> None:
+    msg = _dead_rank_run()[1]
+    assert "rank 1: did not report" in msg, msg
+    assert "rank 0:" in msg and "unit '" in msg, msg
+
+
 def _stall(rank: int, world: int) -> dict:
-    os.environ["FULLSHARD_REPORT_WAIT_S"] = "2"
+    # fullshard's waits and gloo's end together after 3 s; then 1 s to hear from rank 1, which
+    # sleeps 8 s: still asleep when rank 0 gives up, with 4 s to spare
+    os.environ["FULLSHARD_TIMEOUT_S"] = "3"
+    os.environ["FULLSHARD_REPORT_WAIT_S"] = "1"
     torch.manual_seed(0)
     model = shard_toy(ToyLM())
     data = batches(2, world)
     loss_of(model, data[0][rank]).backward()
     if rank == 1:
-        time.sleep(12)  # stuck outside any collective for longer than the timeout
+        time.sleep(8)  # stuck outside any collective for longer than the timeout
     return _catch(lambda: loss_of(model, data[1][rank]).backward())
 
 
 def test_a_stalled_rank_times_out_instead_of_hanging() -> None:
-    os.environ["FULLSHARD_TIMEOUT_S"] = "5"
-    try:
-        res = run_ranks(_stall, 2, timeout_s=90, pg_timeout_s=5)
-    finally:
-        del os.environ["FULLSHARD_TIMEOUT_S"]
+    res = run_ranks(_stall, 2, timeout_s=90, pg_timeout_s=3)
     assert res[0]["type"] == "DesyncError", res[0]
     # rank 0 gave up while rank 1 was still asleep (it had not reported), not when it came back
     assert "rank 1: did not report" in res[0]["error"], res[0]
@@ -203,18 +213,18 @@ def _differs(rank: int, world: int, what: str) -> dict:
     return _catch(lambda: fully_shard(block))
 
 
-@pytest.mark.parametrize(
-    "what,says",
-    [
-        ("shape", "shape (14, 12) vs (13, 12)"),
-        ("dtype", "dtype torch.float64 vs torch.float32"),
-        ("count", "extra parameter 'extra'"),
-    ],
-)
+DIFFERS = {
+    "shape": "shape (14, 12) vs (13, 12)",
+    "dtype": "dtype torch.float64 vs torch.float32",
+    "count": "extra parameter 'extra'",
+}
+
+
+@pytest.mark.parametrize("what,says", DIFFERS.items())
 def test_a_model_that_differs_across_ranks_is_refused_before_any_gather(
     what: str, says: str
 ) -> None:
-    for res in run_ranks(_differs, 2, what, timeout_s=60):
+    for res in _of(2, f"differs: {what}"):
         assert says in res["error"] and "rank 1" in res["error"], res
 
 
@@ -272,7 +282,7 @@ def _bad_inputs(rank: int, world: int) -> dict:
 
 
 def test_bad_input_catalog() -> None:
-    for res in run_ranks(_bad_inputs, 2, timeout_s=90):
+    for res in _of(2, "bad inputs"):
         assert "built before wrapping" in res["early_optimizer"], res
         assert res["empty_unit_ok"] and res["noncontig_ok"]
         assert res["step_before_backward_ok"] and res["zero_grad_modes_agree"]
@@ -310,7 +320,7 @@ def _broadcast(rank: int, world: int) -> dict:
 
 
 def test_broadcast_from_rank0_before_wrapping_and_after_meta_init() -> None:
-    res = run_ranks(_broadcast, 3, timeout_s=90)
+    res = _of(3, "broadcast")
     assert len({r["checksum"] for r in res}) == 1  # all ranks hold rank 0's weights
     assert all(r["unwrapped_equal"] and r["meta_equal"] for r in res)
 
@@ -352,7 +362,7 @@ def _tagged_reduce(rank: int, world: int, how: str, dtype: torch.dtype, sums: bo
 def test_mispaired_reduce_scatters_are_caught_by_their_tags() -> None:
     # two ranks reduce-scatter different units of the same size (e.g. a backward that finished
     # units in another order): the tags in every block expose it before the sum is used
-    for res in run_ranks(_tagged_reduce, 2, "units", torch.float32, False, timeout_s=60):
+    for res in _of(2, "tagged: units, rows"):
         assert res["type"] == "DesyncError", res
         assert "different reduce-scatters" in res["error"], res
         assert "unit 'blocks.1'" in res["error"] and "unit 'blocks.2'" in res["error"], res
@@ -361,25 +371,19 @@ def test_mispaired_reduce_scatters_are_caught_by_their_tags() -> None:
 def test_reduce_scatter_tags_are_exact_in_bf16_sums() -> None:
     # NCCL sums the tags: in bf16 the old encoding rounded 3 x 173 = 519 to 520 and raised a
     # false desync at 3 ranks. Bits sum to at most the group size, exact in bf16 up to 256.
-    os.environ["FULLSHARD_REPORT_WAIT_S"] = "2"
-    try:
-        same = run_ranks(_tagged_reduce, 3, "same", torch.bfloat16, True, timeout_s=60)
-        units = run_ranks(_tagged_reduce, 3, "units", torch.bfloat16, True, timeout_s=60)
-    finally:
-        del os.environ["FULLSHARD_REPORT_WAIT_S"]
+    same, units = _of(3, "tagged: same, bf16 sums"), _of(3, "tagged: units, bf16 sums")
     assert all(r["error"] == "" for r in same), same
-    for res in units:
-        assert res["type"] == "DesyncError" and "different reduce-scatters" in res["error"], res
+    for r in units:
+        assert r["type"] == "DesyncError" and "different reduce-scatters" in r["error"], r
 
 
 def test_a_gradient_on_some_ranks_only_is_named_on_every_rank() -> None:
     # NOTE [Which gradients exist]: rank 0 has no gradient for 'fc.bias', rank 1 has one
-    for sums in (False, True):
-        for res in run_ranks(_tagged_reduce, 2, "presence", torch.float32, sums, timeout_s=60):
-            assert res["type"] == "DesyncError", res
-            assert "'fc.bias' on 1 of 2 ranks" in res["error"], res
-            assert "fc.weight" not in res["error"], res
-            assert "produced a gradient where others did not" in res["error"], res
+    for res in _of(2, "tagged: presence, rows") + _of(2, "tagged: presence, sums"):
+        assert res["type"] == "DesyncError", res
+        assert "'fc.bias' on 1 of 2 ranks" in res["error"], res
+        assert "fc.weight" not in res["error"], res
+        assert "produced a gradient where others did not" in res["error"], res
 
 
 class _TwinLM(nn.Module):
@@ -476,3 +480,52 @@ def test_a_parameter_used_on_some_ranks_only_is_named_not_averaged_silently() ->
         assert res["type"] == "DesyncError", res
         assert "unit 'blocks.0'" in res["error"], res
         assert "'extra.weight' on 1 of 2 ranks (0)" in res["error"], res
+
+
+# Cases that share a launch (``_launch``: a launch costs seconds, mostly each new rank's first
+# steps; these cases a fraction of one). Each finishes, on every rank, every collective it
+# starts: a refusal comes after a blocking exchange, and no asynchronous collective is left in
+# flight, so the next case starts in step. The desyncs, dead and stalled ranks above abort
+# mid-step and get a launch each: a collective they leave in flight would pair with the next
+# case's. A case that asks the store where the other ranks are must come last (its keys stay).
+SHARED: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {
+    2: {
+        "bad inputs": (_bad_inputs, ()),
+        **{f"differs: {what}": (_differs, (what,)) for what in DIFFERS},
+        # mispaired units, then a gradient on one rank only, read from every rank's rows
+        # (gloo) and from the summed columns (NCCL's path)
+        "tagged: units, rows": (_tagged_reduce, ("units", torch.float32, False)),
+        "tagged: presence, rows": (_tagged_reduce, ("presence", torch.float32, False)),
+        "tagged: presence, sums": (_tagged_reduce, ("presence", torch.float32, True)),
+    },
+    3: {
+        "broadcast": (_broadcast, ()),
+        "tagged: same, bf16 sums": (_tagged_reduce, ("same", torch.bfloat16, True)),
+        "tagged: units, bf16 sums": (_tagged_reduce, ("units", torch.bfloat16, True)),
+    },
+}
+
+
+def _in_turn(rank: int, world: int) -> dict[str, dict]:
+    """This world size's shared cases in turn: each one's result, or the traceback it raised."""
+    # a mismatched bf16 sum asks the store where every rank is: all of them report at once
+    os.environ["FULLSHARD_REPORT_WAIT_S"] = "2"
+    out: dict[str, dict] = {}
+    for name, (fn, args) in SHARED[world].items():
+        try:
+            out[name] = {"result": fn(rank, world, *args)}
+        except Exception:
+            out[name] = {"raised": traceback.format_exc()}
+    return out
+
+
+@functools.cache
+def _launch(world: int) -> list[dict[str, dict]]:
+    return run_ranks(_in_turn, world, timeout_s=120)
+
+
+def _of(world: int, name: str) -> list[Any]:
+    """One shared case's result on every rank (its traceback, if it raised)."""
+    for r in _launch(world):
+        assert "raised" not in r[name], r[name]["raised"]
+    return [r[name]["result"] for r in _launch(world)]

@@ -2,9 +2,20 @@
 fullshard's, each against one process in float64 (``tests/fsdp2_programs.py``).
 
 Each case prints its largest difference under both imports (``pytest -s`` shows them).
+
+Every program of one world size runs in one launch per import (``_launch``: each launch costs
+seconds, a program a fraction of one), each program on a model of its own and seeded itself,
+as ``fsdp2_gaps.gaps_program`` runs its cases; a program that raises fails its own tests only.
+The two imports never share a launch: fullshard's CPU generator for sharded init
+(``test_meta_init_after_sharding``) must not meet torch's.
 """
 
 from __future__ import annotations
+
+import functools
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 import fsdp2_gaps
 import fsdp2_programs as progs
@@ -14,9 +25,50 @@ from harness import run_ranks
 IMPLS = ("torch", "fullshard")
 EXACT = 1e-12
 
+# every program, and the world size it runs at
+WORLD: dict[Callable[..., Any], int] = {
+    progs.clip_program: 2,
+    progs.dcp_program: 2,
+    progs.ema_program: 2,
+    progs.generate_program: 2,
+    progs.hsdp_accumulation_program: 4,
+    progs.lora_program: 2,
+    progs.reshard_int_program: 4,
+    progs.list_program: 2,
+    fsdp2_gaps.gaps_program: 2,
+    progs.meta_init_program: 2,
+    progs.mixed_precision_program: 2,
+    progs.shard_placement_program: 2,
+}
+BY_NAME = {program.__name__: program for program in WORLD}
 
-def _both(program: object, world: int) -> dict[str, list[dict]]:
-    return {impl: run_ranks(program, world, impl, timeout_s=120) for impl in IMPLS}
+
+def _programs(rank: int, world: int, impl: str, names: list[str]) -> dict[str, dict]:
+    """Each named program in turn under ``impl``: its result, or the traceback it raised."""
+    out: dict[str, dict] = {}
+    for name in names:
+        try:
+            out[name] = {"result": BY_NAME[name](rank, world, impl)}
+        except Exception:
+            out[name] = {"raised": traceback.format_exc()}
+    return out
+
+
+@functools.cache
+def _launch(world: int, impl: str) -> list[dict[str, dict]]:
+    names = [program.__name__ for program, w in WORLD.items() if w == world]
+    return run_ranks(_programs, world, impl, names, timeout_s=600)
+
+
+def _both(program: Callable[..., Any]) -> dict[str, list[dict]]:
+    """``program``'s result on every rank, under each import."""
+    out = {}
+    for impl in IMPLS:
+        per_rank = [r[program.__name__] for r in _launch(WORLD[program], impl)]
+        for r in per_rank:
+            assert "raised" not in r, (impl, r.get("raised"))
+        out[impl] = [r["result"] for r in per_rank]
+    return out
 
 
 def _report(case: str, res: dict[str, list[dict]]) -> None:
@@ -38,9 +90,10 @@ def _report(case: str, res: dict[str, list[dict]]) -> None:
     ],
 )
 def test_fsdp2_program_matches_one_process_under_both_imports(
-    case: str, program: object, world: int
+    case: str, program: Callable[..., Any], world: int
 ) -> None:
-    res = _both(program, world)
+    assert WORLD[program] == world
+    res = _both(program)
     _report(case, res)
     for impl in IMPLS:
         for r in res[impl]:
@@ -48,8 +101,8 @@ def test_fsdp2_program_matches_one_process_under_both_imports(
 
 
 def test_what_torchs_fsdp2_tests_exercise_matches_one_process_under_both_imports() -> None:
-    # one launch per import for every case (fsdp2_gaps.CASES): each launch costs seconds
-    res = _both(fsdp2_gaps.gaps_program, 2)
+    # every case of fsdp2_gaps.CASES, one program
+    res = _both(fsdp2_gaps.gaps_program)
     for case in fsdp2_gaps.CASES:
         per = {i: [r[case] for r in res[i]] for i in IMPLS}
         _report(case, per)
@@ -60,7 +113,7 @@ def test_what_torchs_fsdp2_tests_exercise_matches_one_process_under_both_imports
 
 
 def test_dcp_options_and_fullshard_state_dicts_agree_with_torch() -> None:
-    res = _both(progs.dcp_program, 2)
+    res = _both(progs.dcp_program)
     for impl in IMPLS:
         for r in res[impl]:
             assert r["on_cpu"] and r["optim_full_shape"] and r["frozen_skipped"], (impl, r)
@@ -71,7 +124,7 @@ def test_dcp_options_and_fullshard_state_dicts_agree_with_torch() -> None:
 
 
 def test_lora_base_stays_frozen() -> None:
-    for r in run_ranks(progs.lora_program, 2, "fullshard"):
+    for r in _both(progs.lora_program)["fullshard"]:
         assert r["base_grad_none"]
 
 
@@ -80,7 +133,7 @@ def test_meta_init_after_sharding() -> None:
     # slice one full draw only on CUDA-like devices). fullshard draws independent shards of the
     # same distribution on CPU (its CPU generator cannot be offset like CUDA's Philox); on CUDA
     # both use DTensor's offset-based generator and agree (docs/design.md).
-    res = _both(progs.meta_init_program, 2)
+    res = _both(progs.meta_init_program)
     for r in res["torch"]:
         assert r["identical_shards"]
     for r in res["fullshard"]:
@@ -90,7 +143,7 @@ def test_meta_init_after_sharding() -> None:
 
 def test_mixed_precision_policy_matches_fsdp2() -> None:
     # not exact against one process (bf16), so the two imports are compared with each other
-    res = _both(progs.mixed_precision_program, 2)
+    res = _both(progs.mixed_precision_program)
     for t, f in zip(res["torch"], res["fullshard"], strict=True):
         assert t["out_dtype"] == f["out_dtype"] == "torch.float32"
         assert t["grad_dtype"] == f["grad_dtype"] == "torch.float32"
@@ -103,7 +156,7 @@ def test_mixed_precision_policy_matches_fsdp2() -> None:
 def test_shard_placement_fn_matches_fsdp2() -> None:
     # Shard(1) weights beside uneven Shard(0) ones: the same placements under both imports,
     # each equal to one process
-    res = _both(progs.shard_placement_program, 2)
+    res = _both(progs.shard_placement_program)
     _report("shard_placement_fn", res)
     for impl in IMPLS:
         for r in res[impl]:

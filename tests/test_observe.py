@@ -3,8 +3,10 @@ both stay consistent with what the engine really did."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,9 +77,14 @@ def _record(rank: int, world: int) -> dict:
     }
 
 
-def test_timeline_has_every_gather_compute_free_and_reduce() -> None:
-    res = run_ranks(_record, 2)
-    for r in res:
+@pytest.fixture(scope="module")
+def recorded() -> list[dict]:
+    """``_record`` on 2 ranks, once: the timeline, memory and drawing tests read its results."""
+    return run_ranks(_record, 2)
+
+
+def test_timeline_has_every_gather_compute_free_and_reduce(recorded: list[dict]) -> None:
+    for r in recorded:
         units = sorted(r["units"])
         assert r["forward_units"] == units and r["backward_units"] == units
         # every collective the c10d layer saw is on the timeline
@@ -93,8 +100,8 @@ def test_timeline_has_every_gather_compute_free_and_reduce() -> None:
         assert complete and all(e["dur"] >= 0 for e in complete)
 
 
-def test_memory_categories_match_what_the_engine_holds() -> None:
-    for r in run_ranks(_record, 2):
+def test_memory_categories_match_what_the_engine_holds(recorded: list[dict]) -> None:
+    for r in recorded:
         peaks = r["peaks"]
         for phase in ("forward", "backward", "optimizer"):
             assert peaks[phase]["sharded_params"] == r["shards"]
@@ -194,21 +201,46 @@ def _tracker_and_profiler(rank: int, world: int, strategy: str) -> dict:
     return {"tracker": mem.peak_total, "profiler": profiler_live_peak(prof, "tracked steps")}
 
 
+def _tracker_and_profiler_each(rank: int, world: int, strategies: list[str]) -> dict[str, dict]:
+    """``_tracker_and_profiler`` of each strategy in turn, on the same ranks. Each profile starts
+    after the previous strategy's model is gone: a storage from before the profile that it
+    frees would lower its live sum, so sharing ranks can only make the check below stricter."""
+    out = {}
+    for strategy in strategies:
+        gc.collect()
+        out[strategy] = _tracker_and_profiler(rank, world, strategy)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tracker_vs_profiler() -> dict[str, list[dict]]:
+    """Every rank's ``_tracker_and_profiler`` per strategy: one launch per world size."""
+    out: dict[str, list[dict]] = {}
+    for world in sorted({w for _, w in STRATEGY_WORLDS}):
+        strategies = [s for s, w in STRATEGY_WORLDS if w == world]
+        per_rank = run_ranks(_tracker_and_profiler_each, world, strategies)
+        out.update({s: [r[s] for r in per_rank] for s in strategies})
+    return out
+
+
 @pytest.mark.parametrize(("strategy", "world"), STRATEGY_WORLDS)
-def test_tracker_peak_never_exceeds_the_profilers_live_peak(strategy: str, world: int) -> None:
+def test_tracker_peak_never_exceeds_the_profilers_live_peak(
+    tracker_vs_profiler: dict[str, list[dict]], strategy: str, world: int
+) -> None:
     # The profiler counts every live storage (temporaries too); the tracker counts a subset,
     # each storage once, so its peak over the same steps can only be smaller.
-    for rank, r in enumerate(run_ranks(_tracker_and_profiler, world, strategy)):
+    results = tracker_vs_profiler[strategy]
+    assert len(results) == world
+    for rank, r in enumerate(results):
         assert r["profiler"] is not None and r["tracker"] > 0
         assert r["tracker"] <= r["profiler"], (strategy, rank, r)
 
 
-def test_timeline_png_is_drawn(tmp_path: str) -> None:
-    res = run_ranks(_record, 2)
+def test_timeline_png_is_drawn(recorded: list[dict], tmp_path: Path) -> None:
     from fullshard.observe.timeline import Event
 
     events = []
-    for rank, r in enumerate(res):
+    for rank, r in enumerate(recorded):
         for e in r["trace"]["traceEvents"]:
             if e["ph"] == "X":
                 lane = ("compute", "gather", "reduce", "exposed", "free")[e["tid"]]
@@ -228,20 +260,19 @@ def test_timeline_png_is_drawn(tmp_path: str) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_trace_cli_writes_chrome_trace_png_and_exposed_time(tmp_path: str) -> None:
-    import subprocess
-    import sys
+def test_trace_cli_writes_chrome_trace_png_and_exposed_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``fullshard trace`` through main(), launching its ranks from this process (the console
+    # entry is the train tests'): what is checked is the files rank 0 writes. --nproc given: it
+    # once reached torchrun's own parser ("ambiguous option: --nproc could match
+    # --nproc-per-node"); the ranks get full-name flags without it.
+    from test_app_cli import main_in_process
 
-    # --nproc given: it once reached torchrun's own parser ("ambiguous option: --nproc could
-    # match --nproc-per-node"); the ranks get full-name flags without it.
     out = tmp_path / "trace"
-    proc = subprocess.run(
-        [sys.executable, "-m", "fullshard.app.cli", "trace", "--model", "tiny", "--steps", "1",
-         "--warmup", "1", "--seq-len", "32", "--batch-size", "2", "--nproc", "3",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    argv = ["trace", "--model", "tiny", "--steps", "1", "--warmup", "1", "--seq-len", "32",
+            "--batch-size", "2", "--nproc", "3", "--out", str(out)]  # fmt: skip
+    assert main_in_process(argv, monkeypatch, deadline_s=300) == 0
     summary = json.loads((out / "trace_summary.json").read_text())
     assert summary["world_size"] == 3 and summary["steps"] == 1 and len(summary["per_rank"]) == 3
     assert 0 <= summary["exposed_fraction"] < 1 and summary["step_ms"] > 0

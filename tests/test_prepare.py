@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +35,6 @@ from fullshard.app.prepare import PrepareOptions, prepare
 from fullshard.app.token_shards import INDEX, TokenShards
 from fullshard.checkpoint.store import file_sha256
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 WORDS = ["the", "quick", "brown", "fox", "naïve", "café", "日本", "jumps", "over", "a", "lazy"]
 
 
@@ -551,28 +549,26 @@ def test_token_ids_beyond_the_vocabulary_are_refused(
 
 
 @pytest.mark.e2e
-def test_training_from_shards_equals_training_from_text(tmp_path: Path) -> None:
+def test_training_from_shards_equals_training_from_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # prepare, and the two launches of 2 ranks, from this process: what is compared is the
+    # files they write (the console entry is test_app_bad_inputs.py's and test_app_cli.py's)
+    from test_app_cli import main_in_process
+
     text = tmp_path / "corpus.txt"
     text.write_text(_text(11, 30_000), encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-
-    def cli(*argv: str) -> str:
-        proc = subprocess.run(
-            [sys.executable, "-m", "fullshard.app.cli", *argv],
-            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path, check=False,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout
-
-    cli("prepare", str(text), "--out", "prepared", "--shard-tokens", "10000", "--workers", "2")
+    prepared = tmp_path / "prepared"
+    argv = ["prepare", str(text), "--out", str(prepared), "--shard-tokens", "10000"]
+    assert main([*argv, "--workers", "2", "--no-progress"]) == 0
     runs = {}
-    for name, data in (("text", str(text)), ("shards", "prepared")):
-        cli(
-            "train", "--data", data, "--model", "tiny", "--nproc", "2", "--max-steps", "6",
+    for name, data in (("text", text), ("shards", prepared)):
+        argv = [
+            "train", "--data", str(data), "--model", "tiny", "--nproc", "2", "--max-steps", "6",
             "--log-every", "1", "--eval-every", "3", "--batch-size", "8", "--seq-len", "64",
-            "--sample-tokens", "0", "--no-progress", "--name", name,
-        )  # fmt: skip
+            "--sample-tokens", "0", "--no-progress", "--runs-dir", str(tmp_path / "runs"),
+        ]  # fmt: skip
+        assert main_in_process([*argv, "--name", name], monkeypatch) == 0
         lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
         runs[name] = [
             {k: r.get(k) for k in ("step", "loss", "grad_norm", "val_loss")}

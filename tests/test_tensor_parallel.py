@@ -3,11 +3,19 @@
 Each block's two linears are column- then row-parallel over mesh["tp"] (``parallelize_module``);
 then every block and the root are ``fully_shard``-ed over mesh["dp"]. The TP ranks of one
 data-parallel rank see the same batch; the reference model sees every data-parallel batch.
+
+The 4-rank cases share one launch (the ``four_ranks`` fixture: a launch costs seconds, most
+cases a fraction of one); each case builds its own mesh and model in a rank reset to a fresh
+process's default dtype, and a case that raises fails its own test only.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -106,8 +114,10 @@ def _parity(rank: int, world: int, tp: int, hsdp: bool) -> dict:
 
 
 @pytest.mark.parametrize(("world", "tp", "hsdp"), [(4, 2, False), (4, 2, True)])
-def test_fsdp_times_tp_matches_one_process(world: int, tp: int, hsdp: bool) -> None:
-    results = run_ranks(_parity, world, tp, hsdp, timeout_s=180)
+def test_fsdp_times_tp_matches_one_process(
+    four_ranks: list[dict], world: int, tp: int, hsdp: bool
+) -> None:
+    results = _of(four_ranks, ("parity", tp, hsdp))
     worst = {k: max(r[k] for r in results) for k in ("diff", "export_diff", "norm_diff")}
     print(f"\n{'HSDP' if hsdp else 'FSDP'} x TP{tp} at {world} ranks, float64: {worst}")
     for r in results:
@@ -133,8 +143,8 @@ def _bad_mesh(rank: int, world: int) -> str:
     return ""
 
 
-def test_tp_on_the_mesh_fullshard_shards_over_is_refused() -> None:
-    for msg in run_ranks(_bad_mesh, 4):
+def test_tp_on_the_mesh_fullshard_shards_over_is_refused(four_ranks: list[dict]) -> None:
+    for msg in _of(four_ranks, "bad_mesh"):
         assert "up.weight" in msg and "mesh['tp']" in msg
 
 
@@ -183,37 +193,51 @@ def _load_and_step(rank: int, world: int, folder: str) -> dict:
     return {"diff": max((full[n] - p).abs().max().item() for n, p in ref.named_parameters())}
 
 
-def test_checkpoint_saved_at_dp2_tp2_loads_at_dp1_tp2(tmp_path: str) -> None:
-    folder = str(tmp_path)
-    run_ranks(_save, 4, folder, timeout_s=180)
-    for r in run_ranks(_load_and_step, 2, folder, timeout_s=180):
+def test_checkpoint_saved_at_dp2_tp2_loads_at_dp1_tp2(
+    four_ranks: list[dict], checkpoint_folder: str
+) -> None:
+    _of(four_ranks, "save")  # saved to checkpoint_folder, in the 4-rank launch
+    for r in run_ranks(_load_and_step, 2, checkpoint_folder, timeout_s=180):
         assert r["diff"] <= 1e-12, r
 
 
-def _train(tmp: str, name: str, *flags: str) -> dict:
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+# three steps move the loss by ~6e-2, thousands of times the tolerance below
+TRAIN_FLAGS = ("--max-steps", "3", "--batch-size", "8", "--seq-len", "64", "--eval-every", "0",
+               "--eval-batches", "2", "--sample-tokens", "0")  # fmt: skip
 
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    cmd = [sys.executable, "-m", "fullshard.app.cli", "train", "--max-steps", "5",
-           "--batch-size", "8", "--seq-len", "64", "--eval-every", "0", "--sample-tokens", "0",
-           "--runs-dir", tmp, "--name", name, *flags]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=src)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(json.loads((Path(tmp) / name / "summary.json").read_text()))
+
+def _cli_rank(rank: int, world: int, argv: list[str]) -> None:
+    """What a rank the CLI launched runs (``fullshard.app.cli.main`` in torchrun's environment),
+    in a rank of the harness: the trainer joins the process group that is already there."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    from fullshard.app.cli import main
+
+    assert main(argv) == 0
 
 
 @pytest.mark.e2e
-def test_train_tp2_on_4_ranks_follows_2_data_parallel_ranks(tmp_path: str) -> None:
+def test_train_tp2_on_4_ranks_follows_2_data_parallel_ranks(
+    tmp_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the same global batches: TP splits each block's matrices, not the data. The Hugging
     # Face Llama plan through the CLI; the built-in GPT's plan is the next test's, in float64.
-    model = "hf:llama-tiny"
-    tp = _train(str(tmp_path), "tp", "--model", model, "--nproc", "4", "--tp", "2")
-    dp = _train(str(tmp_path), "dp", "--model", model, "--nproc", "2")
+    # The TP run is `fullshard train --nproc 4 --tp 2` through the CLI's main and its launch
+    # (test_app_cli.main_in_process: no launcher interpreter of its own); the data-parallel
+    # reference runs the ranks' side of the same CLI (same config, trainer and data) on the
+    # harness's ranks, without a second launch.
+    import json
+    from pathlib import Path
+
+    from test_app_cli import main_in_process
+
+    model, tmp = "hf:llama-tiny", str(tmp_path)
+    common = ["train", *TRAIN_FLAGS, "--runs-dir", tmp, "--model", model]
+    argv = [*common, "--name", "tp", "--nproc", "4", "--tp", "2"]
+    assert main_in_process(argv, monkeypatch, deadline_s=300) == 0
+    run_ranks(_cli_rank, 2, [*common, "--name", "dp", "--nproc", "2"], timeout_s=300)
+    tp, dp = (json.loads((Path(tmp) / n / "summary.json").read_text()) for n in ("tp", "dp"))
     assert tp["world_size"] == 4 and dp["world_size"] == 2
     for key in ("start_loss", "end_loss", "final_val_loss"):
         assert tp[key] == pytest.approx(dp[key], abs=1e-5), key
@@ -253,8 +277,8 @@ def _builtin_gpt_tp(rank: int, world: int) -> dict:
     }
 
 
-def test_the_builtin_gpt_plan_matches_one_process() -> None:
-    for r in run_ranks(_builtin_gpt_tp, 4, timeout_s=180):
+def test_the_builtin_gpt_plan_matches_one_process(four_ranks: list[dict]) -> None:
+    for r in _of(four_ranks, "builtin_gpt"):
         assert r["diff"] <= 1e-10, r
         assert r["tp_params"] > 0, r  # the plan really split the blocks' matrices
 
@@ -287,8 +311,10 @@ def _cuda_tp_mesh(rank: int, world: int) -> str:
     return ""
 
 
-def test_a_tp_mesh_of_another_device_type_is_refused_on_every_rank() -> None:
-    for msg in run_ranks(_cuda_tp_mesh, 4):
+def test_a_tp_mesh_of_another_device_type_is_refused_on_every_rank(
+    four_ranks: list[dict],
+) -> None:
+    for msg in _of(four_ranks, "cuda_tp_mesh"):
         assert "up.weight" in msg and "'cuda' mesh" in msg and "init_device_mesh" in msg
 
 
@@ -304,6 +330,45 @@ def _int_reshard(rank: int, world: int) -> str:
     return ""
 
 
-def test_an_int_reshard_after_forward_is_refused_for_tp_units() -> None:
-    for msg in run_ranks(_int_reshard, 4):
+def test_an_int_reshard_after_forward_is_refused_for_tp_units(four_ranks: list[dict]) -> None:
+    for msg in _of(four_ranks, "int_reshard"):
         assert "tensor-parallel" in msg and "reshard_after_forward=2" in msg
+
+
+def _cases(rank: int, world: int, folder: str) -> dict:
+    """Every 4-rank case in turn: its result, or the traceback it raised. The refusals come
+    last, after the runs that train (``_cuda_tp_mesh`` patches the engine, and restores it)."""
+    cases: dict[Any, tuple[Callable[..., Any], tuple]] = {
+        ("parity", 2, False): (_parity, (2, False)),
+        ("parity", 2, True): (_parity, (2, True)),
+        "save": (_save, (folder,)),
+        "builtin_gpt": (_builtin_gpt_tp, ()),
+        "bad_mesh": (_bad_mesh, ()),
+        "cuda_tp_mesh": (_cuda_tp_mesh, ()),
+        "int_reshard": (_int_reshard, ()),
+    }
+    out = {}
+    for key, (fn, args) in cases.items():
+        torch.set_default_dtype(torch.float32)  # what a fresh rank starts with
+        try:
+            out[key] = {"result": fn(rank, world, *args)}
+        except Exception:
+            out[key] = {"raised": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("dp2_tp2"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(checkpoint_folder: str) -> list[dict]:
+    return run_ranks(_cases, 4, checkpoint_folder, timeout_s=600)
+
+
+def _of(results: list[dict], key: Any) -> list[Any]:
+    """One case's result on every rank (its traceback, if it raised)."""
+    for r in results:
+        assert "raised" not in r[key], r[key]["raised"]
+    return [r[key]["result"] for r in results]
