@@ -11,13 +11,19 @@ STAMP := $(VENV)/.installed
 # every process compile torch again.
 unexport PYTHONDONTWRITEBYTECODE
 
+WARM := $(VENV)/.warm
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --no-compile torch==2.13.0 -e '.[dev]'
-	# what every rank and test imports, compiled once now: read back even where a shell outside
-	# make sets PYTHONDONTWRITEBYTECODE
-	$(PY) -c 'import torch.distributed.tensor, torch.distributed.checkpoint, transformers, fullshard.app.trainer, fullshard.app.cli, pytest, xdist'
 	touch $(STAMP)
+
+# what every rank and test imports, compiled once before the suite (not by both workers and
+# their forkservers at once): read back even where a shell outside make sets
+# PYTHONDONTWRITEBYTECODE
+$(WARM): $(STAMP)
+	$(PY) -c 'import torch.distributed.tensor, torch.distributed.checkpoint, torch._dynamo, transformers, fullshard.app.trainer, fullshard.app.cli, pytest, xdist'
+	touch $(WARM)
 
 demo: $(STAMP)
 	$(VENV)/bin/fullshard train
@@ -34,10 +40,14 @@ fmt: $(STAMP)
 # two workers (pytest-xdist), one per core, a test file to one worker: its tests share a launched
 # run or a module's cached results, made once per worker (xdist_group marks do not group under
 # pytest 9.2 with xdist 3.8, measured: a marked file's tests went to both workers)
-pytest: $(STAMP)
+pytest: $(WARM)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
-test: lint pytest
+# lint beside the warm-up and the suite, not before them: mypy and the warm-up import are one
+# core each, and the suite's two workers leave gaps (a launch waiting on a timeout); either
+# failing fails the target
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j2 lint pytest
 
 # the single-process layer alone (tests/fast, seconds)
 test-fast: $(STAMP)

@@ -31,23 +31,14 @@ BASE = [
 ]  # fmt: skip
 
 
-def run_train(
-    args: list[str], timeout: float = 240, *, fault: str = "", emulated: bool = False
-) -> subprocess.CompletedProcess[str]:
+def run_train(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """Run ``python -m fullshard.app.cli train ARGS`` as a fresh process (not under torchrun);
-    past ``timeout`` it and its ranks are killed and the test fails naming the command.
-
-    ``fault``: a ``FULLSHARD_FAULT`` drill; ``emulated``: the CUDA path, checked on CPU (NOTE [The
-    CUDA path on CPU])."""
+    past ``timeout`` it and its ranks are killed and the test fails naming the command."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    if fault:
-        env["FULLSHARD_FAULT"] = fault
-    if emulated:
-        env["FULLSHARD_CUDA_EMULATION"] = "1"
     return run_command(
         [sys.executable, "-m", "fullshard.app.cli", "train", *args],
         deadline_s=timeout,
-        what=f"fullshard train{' with fault ' + fault if fault else ''}",
+        what="fullshard train",
         env=env,
     )
 

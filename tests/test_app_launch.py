@@ -223,8 +223,10 @@ def test_a_forked_rank_that_raises_prints_its_traceback_and_fails(tmp_path: Any)
     (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env.get("PYTHONPATH", "")
+    # (its server preloads nothing: the traceback does not depend on it, and the training
+    # rank's imports cost seconds of CPU)
     code = (
-        "import sys; from fullshard.app import launch; "
+        "import sys; from fullshard.app import launch; launch.RANK_PRELOAD.clear(); "
         "sys.exit(launch.launch_local(2, ['fake', 'raise'], module='fake_rank'))"
     )
     proc = subprocess.run(

@@ -7,12 +7,14 @@ Both happen in one run (a launch each costs seconds), compared against one unint
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from test_app_cli import converted, records, run_train, train_on_ranks
+from test_app_cli import converted, main_in_process, records, train_on_ranks
 
 from fullshard.app.cli import main
 
@@ -26,11 +28,20 @@ ARGS = [
 ]  # fmt: skip
 
 
-def _train(root: Path, *extra: str, fault: str = "", deadline_s: float = 240) -> str:
-    """One ``fullshard train`` launch (a fresh process, as a user runs it); returns its stdout."""
-    proc = run_train([*ARGS, "--runs-dir", str(root), *extra], deadline_s, fault=fault)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+def _train(
+    root: Path, monkeypatch: pytest.MonkeyPatch, *extra: str, fault: str = ""
+) -> dict[str, Any]:
+    """One ``fullshard train`` launch, its launcher in this process (what is checked is what
+    the launch writes: tests/test_app_faults.py and test_app_launch.py check what a launch
+    prints); returns the run's summary.json."""
+    with monkeypatch.context() as mp:
+        if fault:
+            mp.setenv("FULLSHARD_FAULT", fault)
+            # a survivor's error asks every rank where it is, and the killed one never answers
+            mp.setenv("FULLSHARD_REPORT_WAIT_S", "2")
+        assert main_in_process(["train", *ARGS, "--runs-dir", str(root), *extra], mp) == 0
+    name = extra[extra.index("--name") + 1]
+    return json.loads((root / name / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +61,7 @@ def _same_weights(a: Path, b: Path) -> None:
 
 
 def test_killed_rank_restarts_then_stop_and_resume_equal_uninterrupted_bitwise(
-    straight: Path, tmp_path: Path
+    straight: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One run through both ways of stopping early, checked against ``straight`` at the end.
 
@@ -62,17 +73,15 @@ def test_killed_rank_restarts_then_stop_and_resume_equal_uninterrupted_bitwise(
     are the uninterrupted run's, bit for bit.
     """
     # a restart that hangs (a survivor waiting on the dead rank) fails the test at the deadline
-    out = _train(
-        tmp_path, "--name", "cut", "--max-restarts", "2", "--stop-after", "5",
+    summary = _train(
+        tmp_path, monkeypatch, "--name", "cut", "--max-restarts", "2", "--stop-after", "5",
         fault="kill:rank=1:step=4",
     )  # fmt: skip
-    assert "[fault] rank 1 killed at step 4" in out
-    assert "resumed from step 2" in out
-    assert "stopped after step 7 (--stop-after)" in out
+    assert (summary["resumed_from"], summary["stopped_after"]) == (2, 7)  # the restart's
     cut = tmp_path / "cut" / "checkpoints"  # the last 3 (--keep): the stop's own is the third
     assert sorted(os.listdir(cut)) == ["step_00000004", "step_00000006", "step_00000007"]
-    out = _train(tmp_path, "--name", "cut", "--resume", "latest")
-    assert "resumed from step 7" in out
+    summary = _train(tmp_path, monkeypatch, "--name", "cut", "--resume", "latest")
+    assert (summary["resumed_from"], summary["stopped_after"]) == (7, None)
     # the same losses at every logged step, and the same weights, bit for bit
     want = {r["step"]: r["loss"] for r in records(straight)}
     got = [(r["step"], r["loss"]) for r in records(tmp_path / "cut")]
