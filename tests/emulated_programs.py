@@ -48,6 +48,10 @@ CONFIGS: dict[str, tuple[dict[str, Any], int]] = {
     "hsdp_grad_accumulation": ({"hsdp": True, "sync_each": True}, 2),
     "tensor_parallel": ({"tp": True}, 1),  # FSDP over 2 x TP over 2, the blocks' fc1/fc2
     "checkpoint": ({"checkpoint": True}, 1),  # DCP save, then load into a fresh model and step
+    # fullshard.deterministic over HSDP: fixed-order reduce-scatter (all-to-all and a sum on the
+    # reduce stream) and all-reduce (all-gather and a sum on the all-reduce stream), every
+    # micro-batch reduced into the tree of gradients, the fixed-order norm
+    "fixed_order_hsdp": ({"hsdp": True, "fixed_order": True, "sync_each": True}, 2),
 }
 
 
@@ -57,6 +61,7 @@ def _build(world: int, kw: dict[str, Any]) -> Net:
     kw = dict(kw)
     kw.pop("checkpoint", None)
     kw.pop("sync_each", None)
+    fixed = kw.pop("fixed_order", False)
     if kw.pop("tp", False):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (
@@ -77,6 +82,10 @@ def _build(world: int, kw: dict[str, Any]) -> Net:
         fully_shard(b, mesh=mesh, **kw)
     kw.pop("reshard_after_forward", None)
     fully_shard(model, mesh=mesh, **kw)
+    if fixed:
+        from fullshard import deterministic
+
+        deterministic.enable(model)
     return model
 
 
@@ -125,6 +134,12 @@ def _train(
     """``steps`` steps; the host synchronisations counted in each (under ``emu``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = batches(steps * micro, world)
+    tree = None
+    if any(u.comm.fixed_order for u in _units(model)):  # fullshard.deterministic's loop
+        from fullshard import deterministic
+
+        plan = deterministic.MicroBatches(global_batch=micro * world, micro_batch=1)
+        tree = deterministic.GradientTree(model.parameters(), plan, world)
     if tp:  # the two ranks of a TP group read the same batch
         rank = rank // 2 * 2
     counts = []
@@ -139,11 +154,25 @@ def _train(
         for k in range(micro):
             last = k == micro - 1
             model.set_requires_gradient_sync(last or sync_each)
-            loss_of(model, data[step * micro + k][rank]).backward()
+            loss = loss_of(model, data[step * micro + k][rank])
+            if tree is None:
+                loss.backward()
+            else:
+                (loss / (micro * world)).backward()
+                tree.push()
+        if tree is not None:
+            from fullshard import deterministic
+
+            tree.finish()
+            deterministic.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         counts.append(sum(emulation.sync_counts().values()) if emu is not None else 0)
     return counts
+
+
+def _units(model: Net) -> list[Any]:
+    return model._units(recurse=True)  # type: ignore[operator]
 
 
 def run_config(

@@ -96,6 +96,21 @@ def test_missing_config_file() -> None:
         (TrainConfig(val_fraction=1.0), 2, "--val-fraction"),
         (TrainConfig(model="hf:gpt7-giant"), 2, "gpt7-giant"),
         (TrainConfig(device="cpu", backend="nccl"), 2, "--backend nccl moves CUDA tensors only"),
+        # --deterministic: 16 in micro-batches of 2 is 8, which runs on 1, 2, 4 or 8 ranks
+        (
+            TrainConfig(deterministic=True, micro_batch_size=2),
+            3,
+            "on 3 ranks.* is 8, which give the same bits on 1, 2, 4, 8 ranks",
+        ),
+        (
+            TrainConfig(deterministic=True, batch_size=24, micro_batch_size=4),
+            4,
+            "is 6, which give the same bits on 1, 2 ranks.*a multiple of 4",
+        ),
+        (TrainConfig(deterministic=True, micro_batch_size=3), 2, "does not divide --batch-size"),
+        (TrainConfig(deterministic=True, grad_accum=2), 2, "drop --grad-accum"),
+        (TrainConfig(deterministic=True, tp=2), 4, "--deterministic with --tp"),
+        (TrainConfig(deterministic=True, mixed_precision="fp16"), 2, "fp16 is not supported"),
     ],
 )
 def test_validation_messages(cfg: TrainConfig, world: int, message: str) -> None:

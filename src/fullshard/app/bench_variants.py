@@ -47,6 +47,7 @@ FULLSHARD_VARIANTS = (
     "no_shard",
     "hybrid_shard",
     "hybrid_shard_zero2",
+    "deterministic",  # full_shard with fullshard.deterministic's fixed-order sums
 )
 VARIANTS = (*FULLSHARD_VARIANTS, "fsdp2", "ddp", "single")
 VOCAB = 256  # the built-in models' byte-level vocabulary
@@ -89,6 +90,9 @@ class Variant:
     active: bool = True
     autocast: torch.dtype | None = None
     last_loss: float = float("nan")  # of the last timed step, read after its synchronisation
+    # ``deterministic``: the fixed tree of gradients (each rank's batch is one micro-batch)
+    tree: Any = None
+    world: int = 1
 
 
 def _fsdp2(model: nn.Module, world: int, device: torch.device, bf16: bool) -> None:
@@ -127,10 +131,18 @@ def build_variant(
     bf16 = mixed_precision == "bf16"
     model = build_model(model_name, VOCAB, seed=0, device=device)
     autocast = None
+    tree = None
     if name in FULLSHARD_VARIANTS:
         from fullshard.app.wrap import shard_model
 
-        shard_model(model, name, unit_types_of(model), mixed_precision=mixed_precision)
+        strategy = "full_shard" if name == "deterministic" else name
+        shard_model(model, strategy, unit_types_of(model), mixed_precision=mixed_precision)
+        if name == "deterministic":
+            from fullshard import deterministic
+
+            deterministic.enable(model)
+            plan = deterministic.MicroBatches(global_batch=world, micro_batch=1)
+            tree = deterministic.GradientTree(model.parameters(), plan, world)
     elif name == "fsdp2":
         _fsdp2(model, world, device, bf16)
     elif name in ("ddp", "single"):
@@ -140,7 +152,8 @@ def build_variant(
     else:
         raise ValueError(f"unknown variant {name!r}")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return Variant(name, model, opt, active=name != "single" or rank == 0, autocast=autocast)
+    active = name != "single" or rank == 0
+    return Variant(name, model, opt, active=active, autocast=autocast, tree=tree, world=world)
 
 
 def bench_step(v: Variant, batch: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -157,7 +170,12 @@ def bench_step(v: Variant, batch: torch.Tensor) -> tuple[torch.Tensor, float]:
     )
     with ctx:
         loss = lm_loss(v.model, batch)
-    loss.backward()
+    if v.tree is None:
+        loss.backward()
+    else:  # one micro-batch of world: its share of the sum, through the fixed tree
+        (loss / v.world).backward()
+        v.tree.push()
+        v.tree.finish()
     v.opt.step()
     v.opt.zero_grad(set_to_none=True)
     return loss.detach(), time.perf_counter()

@@ -112,7 +112,9 @@ class TrainCheckpoints:
         run: RunState = state["run"]
         self.scheduler.load_state_dict(run.scheduler)
         rank = control.rank()
-        if run.world_size == control.world_size():
+        if self.sampler.world_independent:  # the global sampler: one position for every rank
+            self.sampler.load_state_dict(run.samplers[0])
+        elif run.world_size == control.world_size():
             self.sampler.load_state_dict(run.samplers[rank])
             torch.set_rng_state(run.rng[rank])
         else:

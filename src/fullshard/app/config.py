@@ -89,6 +89,20 @@ class TrainConfig:
         "micro-batches accumulated per optimizer step (no gradient sync until the last)",
         group="optimisation",
     )
+    deterministic: bool = _opt(
+        False,
+        "the same weights, bit for bit, at 1, 2, 4 or 8 ranks and after a resume on another "
+        "world size: a global sampler (each step's batch is the same windows at any world "
+        "size), micro-batches of a fixed --micro-batch-size, and every sum in a fixed order "
+        "(fullshard.deterministic; one reduce-scatter per micro-batch)",
+        group="optimisation",
+    )
+    micro_batch_size: int = _opt(
+        0,
+        "--deterministic: sequences per micro-batch, the same at every world size (0: "
+        "--batch-size / 8, or / its largest power-of-two factor below 8)",
+        group="optimisation",
+    )
     max_steps: int = _opt(600, "optimizer steps to train", group="optimisation")
     lr: float = _opt(3e-3, "peak learning rate (AdamW)", group="optimisation")
     min_lr_ratio: float = _opt(
@@ -162,7 +176,11 @@ class TrainConfig:
     eval_every: int = _opt(
         100, "evaluate on the validation split every N steps (0: only at the end)", group="output"
     )
-    eval_batches: int = _opt(8, "validation micro-batches per rank per evaluation", group="output")
+    eval_batches: int = _opt(
+        8,
+        "validation micro-batches per rank per evaluation (--deterministic: in all)",
+        group="output",
+    )
     log_every: int = _opt(
         10, "log metrics every N steps (the first step is always logged)", group="output"
     )
@@ -241,7 +259,12 @@ class TrainConfig:
 
     def micro_batch(self, dp: int) -> int:
         """Sequences per rank per micro-batch over ``dp`` data-parallel ranks (the TP ranks of
-        a data-parallel rank share it: ``ParallelDims.dp``)."""
+        a data-parallel rank share it: ``ParallelDims.dp``); with ``--deterministic`` the fixed
+        ``--micro-batch-size``, whatever ``dp``."""
+        if self.deterministic:
+            return self.micro_batch_size or self.batch_size // min(
+                8, self.batch_size & -self.batch_size
+            )
         return self.batch_size // (dp * self.grad_accum)
 
 

@@ -249,8 +249,12 @@ class RankBatches:
         *,
         seed: int,
         rank: int,
+        world_independent: bool = False,
     ) -> None:
         self.tokens = _source(tokens)
+        # the global sampler (--deterministic): one stream for every rank, so one position,
+        # valid at any world size (a checkpoint's is loaded as it is on another world size)
+        self.world_independent = world_independent
         self.seq_len, self.batch_size = seq_len, batch_size
         self.seed, self.rank = seed, rank
         self.epoch, self.cursor, self.batches_drawn = 0, 0, 0

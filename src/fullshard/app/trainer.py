@@ -170,6 +170,8 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> dict[str, Any]:
         dims = ParallelDims.from_env(
             cfg.nproc, tp=cfg.tp, strategy=cfg.strategy, shard_size=cfg.shard_size
         )
+    if cfg.deterministic:  # read when cuBLAS starts: before any CUDA work of this rank
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     tokenizer = build_tokenizer(cfg.tokenizer)
     tokens = load_tokens(cfg.data, tokenizer)  # a prepared folder is memory-mapped, not read
     with rank_session(cfg.device, cfg.timeout, cfg.backend) as info:
@@ -189,9 +191,16 @@ def _train(
     micro = cfg.micro_batch(dims.dp)
     # data parallel rank: the --tp consecutive ranks of one TP group read the same batches
     dp_rank, dp = dims.dp_rank(rank), dims.dp
-    train_tokens, val_tokens = split_for_rank(tokens, dp_rank, dp, cfg.val_fraction)
-    sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
-    val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
+    if cfg.deterministic:  # the global sampler (fullshard.app.fixed_order)
+        train_tokens, val_tokens = split_for_rank(tokens, 0, 1, cfg.val_fraction)
+        sampler = RankBatches(
+            train_tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=0,
+            world_independent=True,
+        )  # fmt: skip
+    else:
+        train_tokens, val_tokens = split_for_rank(tokens, dp_rank, dp, cfg.val_fraction)
+        sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
+        val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
 
     # lazy_weights: a safetensors checkpoint is built on meta and loaded by shard_model, each
     # rank reading only its rows; so the vocabulary is read off the output layer, not a forward
@@ -216,6 +225,15 @@ def _train(
         reshard_after_forward=reshard_after_forward_arg(cfg.reshard_after_forward),
         cpu_offload=cfg.cpu_offload,
     )
+    fixed, val_count = None, 0
+    if cfg.deterministic:
+        from fullshard.app.fixed_order import FixedOrderSteps
+
+        fixed = FixedOrderSteps(
+            model, global_batch=cfg.batch_size, micro_batch=micro, seed=cfg.seed, rank=rank,
+            world=world, device=device, to_device=to_device,
+        )  # fmt: skip
+        val, val_count = fixed.val_batches(val_tokens, cfg.seq_len, cfg.eval_batches)
     # NOTE [The step's verdict on the device]: on the CUDA path the device skips non-finite
     # steps (fused AdamW's found_inf, a device schedule) and the host reads verdicts a step late
     on_device = cuda_semantics(device) and fused_adamw_available(device)
@@ -269,8 +287,14 @@ def _train(
             + (f", tensor parallel over {cfg.tp} ranks" if cfg.tp > 1 else "")
             + _sharding_options(cfg)
             + f", {len(tokens):,} tokens "
-            f"({len(train_tokens):,} train per rank), micro-batch {micro} x {cfg.seq_len}, "
-            f"grad-accum {cfg.grad_accum} -> run folder {run_dir}",
+            + (
+                f"({len(train_tokens):,} train per rank), micro-batch {micro} x {cfg.seq_len}, "
+                f"grad-accum {cfg.grad_accum}"
+                if fixed is None
+                else f"({len(train_tokens):,} train, one global sampler), "
+                + fixed.describe(cfg.seq_len)
+            )
+            + f" -> run folder {run_dir}",
             flush=True,
         )
         bar = progress_bar(cfg.max_steps, done, cfg.progress)
@@ -296,7 +320,9 @@ def _train(
             # The step's figures (loss, gradient norm, votes) stay on the device until the
             # step's one read below: no per-micro-batch float(loss) stalls the host.
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for k in range(cfg.grad_accum):
+            if fixed is not None:  # every micro-batch reduces, in the fixed tree
+                loss_sum = fixed.step(model, step, sampler.next_batch(), poison)
+            for k in range(cfg.grad_accum if fixed is None else 0):
                 # Reduce-scatter gradients only on the last micro-batch; earlier ones
                 # accumulate into the unsharded gradients locally.
                 set_gradient_sync(model, k == cfg.grad_accum - 1)
@@ -308,7 +334,7 @@ def _train(
                 loss_sum += loss.detach().double()
             if scaler is not None:
                 scaler.unscale_(opt)
-            norm = clip_gradients(model.parameters(), cfg.clip)
+            norm = clip_gradients(model.parameters(), cfg.clip, fixed_order=fixed is not None)
             figures = torch.stack([loss_sum, norm.detach().to(device, torch.float64).reshape(())])
             # Every precision votes: with fp16 the scaler's own vote decides skipping (it skips
             # and rescales), but the ranks must still agree on when to stop.
@@ -360,10 +386,17 @@ def _train(
                 # Logged step: a few tiny collectives, on every rank.
                 book.act(verdicts.flush())  # a stop found a step late: this step's row too
                 lr, grad_norm = float(lr), book.grad_norm
-                mean_loss = _global_mean(losses)
+                # fixed order: each step's loss is the same global figure on every rank already
+                mean_loss = _global_mean(losses) if fixed is None else sum(losses) / len(losses)
                 losses.clear()
                 mem = gather_memory(device)
-                val_loss = evaluate(model, val, device) if is_eval else None
+                val_loss = None
+                if is_eval:
+                    val_loss = (
+                        evaluate(model, val, device)
+                        if fixed is None
+                        else fixed.evaluate(model, val, val_count)
+                    )
                 now = time.perf_counter()
                 tok_s = tokens_per_step * (step - last_step) / (now - last_t)
                 last_step, last_t = step, now
@@ -420,6 +453,7 @@ def _train(
         "params": n_params,
         "world_size": world,
         "strategy": cfg.strategy,
+        "deterministic": cfg.deterministic,
         "steps": cfg.max_steps,
         "stopped_after": step if stopped and not preempted else None,
         "preempted_after": step if preempted else None,

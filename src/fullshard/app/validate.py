@@ -238,6 +238,9 @@ def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"--tp {cfg.tp} does not divide the {world} ranks: each data-parallel rank needs "
             f"{cfg.tp} ranks for tensor parallel; use --nproc {cfg.tp * max(1, dims.dp)}"
         )
+    if cfg.deterministic:
+        _check_deterministic(cfg, dims)
+        return
     per_step = dims.dp * cfg.grad_accum
     if cfg.batch_size % per_step != 0:
         lower = max(per_step, cfg.batch_size - cfg.batch_size % per_step)
@@ -247,6 +250,48 @@ def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
             + f"x --grad-accum {cfg.grad_accum} = {per_step}: every rank needs the same whole "
             f"number of sequences per micro-batch. Use e.g. --batch-size {lower} or "
             f"{lower + per_step}."
+        )
+
+
+def _check_deterministic(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """``--deterministic``: what fixed-order mode supports, and a world size whose micro-steps
+    are subtrees of the fixed tree (``fullshard.deterministic.MicroBatches``), else the world
+    sizes that are."""
+    for flag, on in (("--tp", cfg.tp > 1), ("--float8", cfg.float8)):
+        if on:
+            raise ConfigError(f"--deterministic with {flag} is not supported: drop one of them")
+    if cfg.mixed_precision == "fp16":
+        raise ConfigError(
+            "--deterministic with --mixed-precision fp16 is not supported (its loss scale is a "
+            "per-run state the fixed order does not cover): use bf16 or none"
+        )
+    if cfg.grad_accum != 1:
+        raise ConfigError(
+            f"--deterministic sets the micro-batches with --micro-batch-size, not --grad-accum "
+            f"{cfg.grad_accum}: each rank runs --batch-size / (--micro-batch-size x ranks) of "
+            "them; drop --grad-accum"
+        )
+    micro = cfg.micro_batch(dims.dp)
+    if micro < 1 or cfg.batch_size % micro:
+        raise ConfigError(
+            f"--micro-batch-size {cfg.micro_batch_size} does not divide --batch-size "
+            f"{cfg.batch_size}: the global batch is cut into micro-batches of one size"
+        )
+    from fullshard.deterministic import MicroBatches
+
+    plan = MicroBatches(cfg.batch_size, micro)
+    if dims.world not in plan.world_sizes():
+        sizes = ", ".join(map(str, plan.world_sizes()))
+        world = dims.world
+        more = (
+            f", or a --batch-size / --micro-batch-size that is a multiple of {world}"
+            if world & (world - 1) == 0
+            else " (a power of two)"
+        )
+        raise ConfigError(
+            f"--deterministic on {world} ranks: --batch-size {cfg.batch_size} in "
+            f"micro-batches of {micro} is {plan.count}, which give the same bits on {sizes} "
+            f"ranks (powers of two dividing {plan.chunk}): run on one of those{more}"
         )
 
 
@@ -378,8 +423,7 @@ def _check_data(cfg: TrainConfig, dims: ParallelDims) -> None:
             raise ConfigError(f"{source}: {what}: give text to train on")
     if cfg.tokenizer != "byte":
         return  # counting other tokens means tokenizing the corpus: the ranks check it
-    micro = cfg.micro_batch(dims.dp)
-    world_size = dims.dp  # the data-parallel ranks split the corpus
+    micro, world_size = _draws(cfg, dims)
     need = micro * (cfg.seq_len + 1) + cfg.seq_len  # training tokens per rank for one batch
 
     def enough(n_tokens: int) -> bool:
@@ -399,6 +443,15 @@ def _check_data(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"tokens, and one micro-batch of {micro} sequences of --seq-len {cfg.seq_len} needs "
             f"{need:,}. Give more text, or a smaller --batch-size, --seq-len or --nproc"
         )
+
+
+def _draws(cfg: TrainConfig, dims: ParallelDims) -> tuple[int, int]:
+    """``(sequences one draw of a sampler takes, ranks the training stream is split over)``:
+    a micro-batch from each data-parallel rank's slice, or with ``--deterministic`` the whole
+    global batch from the whole stream (the global sampler)."""
+    if cfg.deterministic:
+        return cfg.batch_size, 1
+    return cfg.micro_batch(dims.dp), dims.dp
 
 
 def _check_prepared(cfg: TrainConfig, dims: ParallelDims) -> None:
@@ -439,8 +492,7 @@ def _check_prepared(cfg: TrainConfig, dims: ParallelDims) -> None:
                     f"{Path(cfg.data) / shard['file']}: token id {shard['max_token_id']} is "
                     f"outside the tokenizer's vocabulary of {vocab}: prepare the corpus again"
                 )
-    micro = cfg.micro_batch(dims.dp)
-    dp = dims.dp
+    micro, dp = _draws(cfg, dims)
     train = int(index["splits"]["train"]["tokens"]) // dp
     if windows(train, cfg.seq_len) < micro:
         raise ConfigError(

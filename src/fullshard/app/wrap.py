@@ -199,12 +199,19 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_gradients(
+    parameters: Iterable[torch.Tensor], max_norm: float, *, fixed_order: bool = False
+) -> torch.Tensor:
     """Clip the global gradient norm across all ranks' shards; returns the norm before clipping.
 
     With ``max_norm <= 0`` only measures (clipping to infinity). Call on every rank: the norm is
     a collective over the shards. The norm stays a tensor on the gradients' device: reading it
-    is the caller's one synchronisation of the step.
+    is the caller's one synchronisation of the step. ``fixed_order``: the norm of
+    ``fullshard.deterministic`` (the same bits at every world size).
     """
+    if fixed_order:
+        from fullshard.deterministic import clip_grad_norm_ as fixed_order_clip
+
+        return fixed_order_clip(parameters, max_norm)
     limit = max_norm if max_norm > 0 else float("inf")
     return clip_grad_norm_(list(parameters), limit)

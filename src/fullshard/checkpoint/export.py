@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import warnings
 from typing import Any
 
@@ -73,6 +74,26 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
     kept, tied = _dedupe_ties(tensors)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     save_file(kept, path, metadata={"format": "pt", "fullshard_tied": json.dumps(tied)})
+    _sort_metadata(path)
+
+
+def _sort_metadata(path: str) -> None:
+    """Rewrite the header of the safetensors file ``path`` with its metadata in sorted order,
+    in place: safetensors writes the metadata from a hash map, in an order that changes from
+    process to process, so equal tensors gave files of different bytes (and sha256)."""
+    with open(path, "r+b") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        meta = header.get("__metadata__")
+        if not meta:
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        # the same entries, so the same length; the padding safetensors added stays as it was
+        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        if len(text) > size:
+            return  # not safetensors' compact form: leave the file as it was written
+        f.seek(8)
+        f.write(text.ljust(size, b" "))
 
 
 def export_safetensors(model: nn.Module, out_dir: str) -> str | None:

@@ -275,8 +275,11 @@ def reduce_scatter(
     stats: CommStats | None = None,
     unit: str = "",
     position: Position | None = None,
+    fixed_order: bool = False,
 ) -> Pending:
     """Start a summing reduce-scatter of ``full`` (rank-major blocks) into ``out``, async.
+
+    ``fixed_order``: NOTE [Sums in a fixed order], on every backend.
 
     SUM, not AVG: gloo has no AVG, and summing then dividing by the world size on our side makes
     the 2-rank float32 result bitwise equal to a single process's ``(g0 + g1) / 2``.
@@ -290,30 +293,17 @@ def reduce_scatter(
     blocks, so the caller can compare the ranks' tags exactly. NCCL keeps its reduce-scatter.
     """
     world = dist.get_world_size(group)
-    if dist.get_backend(group) == "gloo":
+    gloo = dist.get_backend(group) == "gloo"
+    if gloo or fixed_order:
         recv = torch.empty_like(full.view(-1))
-        rows = recv.view(world, -1)
-        pending = _issue(
+        pending = _summed_locally(
             "reduce_scatter",
             lambda: dist.all_to_all_single(recv, full.view(-1), group=group, async_op=True),
-            full,
-            full.numel() * full.element_size(),
-            stats=stats,
-            what=what,
-            unit=unit,
-            timeout=timeout,
-            group=group,
-            position=position,
-            reads=[full],
-            writes=[recv],
-        )
-
-        def local_sum() -> None:
-            torch.sum(rows, dim=0, out=out)
-
-        pending.then = local_sum
-        pending.buffers.append(recv)
-        pending.rows = rows
+            full, recv.view(world, -1), out, fixed_order,
+            stats=stats, what=what, unit=unit, timeout=timeout, group=group, position=position,
+        )  # fmt: skip
+        if gloo:  # the tags are compared per rank on the host (NCCL: from the sums, on device)
+            pending.rows = recv.view(world, -1)
         return pending
     return _issue(
         "reduce_scatter",
@@ -331,6 +321,82 @@ def reduce_scatter(
         reads=[full],
         writes=[out],
     )
+
+
+def pairwise_sum(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of ``rows`` (``(n, ...)``, ``n`` a power of two) over its first dimension, in a
+    balanced tree: row pairs (0, 1), (2, 3), ... first, then pairs of those sums, up to the root.
+
+    NOTE [Sums in a fixed order]
+    A sum of floats depends on its order. A reduce-scatter's order is the backend's: gloo's
+    rank order (a chain, whose shape changes with the number of ranks) or NCCL's ring, which
+    differs between world sizes. Fixed-order mode (``fullshard.deterministic``) receives every
+    rank's block (``all_to_all_single``, the bytes a reduce-scatter moves) and sums the blocks
+    here, in a balanced tree over the ranks in rank order. With micro-batch ``i`` of a step on
+    rank ``i % world`` (``MicroBatches``), one reduce-scatter sums an aligned run of ``world``
+    consecutive micro-batches, which is a subtree of the same tree over all of them, and
+    ``GradientTree`` adds those subtrees in the tree above: every gradient is then the same sum,
+    bit for bit, at any power-of-two world size. The HSDP all-reduce across replicas is the
+    next levels of that tree (``all_reduce_fixed_order``): shard groups are consecutive ranks.
+    """
+    n = rows.shape[0]
+    if n & (n - 1):
+        raise ValueError(f"a fixed-order sum needs a power-of-two number of rows, got {n}")
+    while rows.shape[0] > 1:
+        rows = rows[0::2] + rows[1::2]
+    return rows[0]
+
+
+def all_reduce_fixed_order(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    what: str,
+    timeout: timedelta,
+    stats: CommStats | None = None,
+    unit: str = "",
+) -> Pending:
+    """Start an all-reduce (SUM) whose sum is NOTE [Sums in a fixed order]'s: every rank's
+    ``tensor`` is gathered and summed here in a balanced tree, in rank order, into ``tensor``
+    when the collective is waited for (the gather moves ``world`` times the bytes of ``tensor``
+    into each rank, which a ring all-reduce does not: the price of the same bits)."""
+    world = dist.get_world_size(group)
+    flat = tensor.view(-1)
+    recv = torch.empty(world * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+    return _summed_locally(
+        "all_reduce",
+        lambda: _all_gather_single(recv, flat, group=group, async_op=True),
+        tensor, recv.view(world, -1), flat, True,
+        stats=stats, what=what, unit=unit, timeout=timeout, group=group, position=None,
+    )  # fmt: skip
+
+
+def _summed_locally(
+    kind: str,
+    work_fn: Callable[[], dist.Work | None],
+    send: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    tree: bool,
+    **bound: Any,
+) -> Pending:
+    """Issue ``work_fn()``, a collective that reads ``send`` and writes every rank's block as
+    ``rows``; when it is waited for, the blocks are summed into ``out``: in rank order, or in
+    NOTE [Sums in a fixed order]'s tree (``tree``)."""
+    pending = _issue(
+        kind, work_fn, send, send.numel() * send.element_size(), reads=[send], writes=[rows],
+        **bound,
+    )  # fmt: skip
+
+    def local_sum() -> None:
+        if tree:
+            out.copy_(pairwise_sum(rows))
+        else:
+            torch.sum(rows, dim=0, out=out)
+
+    pending.then = local_sum
+    pending.buffers.append(rows)
+    return pending
 
 
 def all_reduce(
@@ -398,6 +464,8 @@ class Comm:
     # ``allocate(size, *, dtype, device)`` and ``__call__(out, inp, group, [op,] async_op)``
     custom_all_gather: Any = None
     custom_reduce_scatter: Any = None
+    # NOTE [Sums in a fixed order] (fullshard.deterministic.enable)
+    fixed_order: bool = False
 
     def position(self, kind: str, phase: Phase, index: int) -> Position:
         return self.stats.next_position(kind, self.unit, phase, index)
@@ -430,7 +498,10 @@ class Comm:
         what = f"reduce-scatter of unit '{self.unit}'"
         custom = self.custom_reduce_scatter
         if custom is None:
-            return reduce_scatter(out, full, self.group, position=pos, **self._bound(what))
+            return reduce_scatter(
+                out, full, self.group, position=pos, fixed_order=self.fixed_order,
+                **self._bound(what),
+            )  # fmt: skip
         op = dist.ReduceOp.SUM
         work_fn = lambda: custom(out, full.view(-1), self.group, op, async_op=True)  # noqa: E731
         nbytes = full.numel() * full.element_size()
@@ -445,7 +516,8 @@ class Comm:
 
     def all_reduce_replicas(self, tensor: torch.Tensor) -> Pending:
         """HSDP: the sum of a gradient shard over the replicas that hold the same shard."""
-        return all_reduce(
+        reduce = all_reduce_fixed_order if self.fixed_order else all_reduce
+        return reduce(
             tensor,
             self.replicate_group,
             what=f"all-reduce across replicas of unit '{self.unit}'",

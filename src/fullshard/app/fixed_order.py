@@ -1,0 +1,115 @@
+"""``fullshard train --deterministic``: a step's micro-batches, validation and figures in a fixed
+order (``fullshard.deterministic``), so that the weights are the same bits at any power-of-two
+world size and after a resume on another one.
+
+The sampler is the global one: every rank draws the step's whole global batch from the whole
+training stream (``RankBatches`` over the unsplit stream, with ``world_independent``), so its
+position does not depend on the world size and a checkpoint's is valid at any. Micro-batch ``i``
+of the step (rows ``i * m .. (i + 1) * m`` of the global batch) runs on rank ``i % world``.
+Validation reads the same global micro-batches at every world size; a rank with fewer than the
+others runs a copy of the first as padding (every forward is a collective), not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.app.data import eval_batches
+from fullshard.app.models import lm_loss
+from fullshard.deterministic import (
+    GradientTree,
+    MicroBatches,
+    enable,
+    seed_micro_batch,
+    sum_over_micro_batches,
+)
+
+__all__ = ["FixedOrderSteps"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class FixedOrderSteps:
+    """The training step and validation of one rank in fixed-order mode.
+
+    ``model`` is sharded already; ``to_device`` moves a host batch to the rank's device
+    (the trainer's, pinned on CUDA)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        global_batch: int,
+        micro_batch: int,
+        seed: int,
+        rank: int,
+        world: int,
+        device: torch.device,
+        to_device: Callable[[torch.Tensor, torch.device], torch.Tensor],
+    ) -> None:
+        self.plan = MicroBatches(global_batch, micro_batch)
+        self.mine = list(self.plan.indices(rank, world))
+        self.rank, self.world, self.seed = rank, world, seed
+        self.device, self._to_device = device, to_device
+        enable(model)
+        self.tree = GradientTree(model.parameters(), self.plan, world)
+        if device.type == "cuda":
+            # the kernels must not pick their reduction order at run time either (cuBLAS needs
+            # a fixed workspace for that: CUBLAS_WORKSPACE_CONFIG, set by train() before CUDA)
+            torch.use_deterministic_algorithms(True)
+
+    def describe(self, seq_len: int) -> str:
+        """The run line's words for the micro-batches."""
+        return (
+            f"{self.plan.count} micro-batches of {self.plan.micro_batch} x {seq_len} per step, "
+            f"{len(self.mine)} per rank, sums in a fixed order (--deterministic)"
+        )
+
+    def step(self, model: nn.Module, step: int, batch: Batch, poison: bool) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches of ``batch`` (the step's global
+        batch), gradients summed in the fixed tree; returns the step's mean loss (float64, the
+        same on every rank)."""
+        x, y = batch
+        values = []
+        for i in self.mine:
+            rows = self.plan.rows(i)
+            seed_micro_batch(self.seed, step, i)
+            xb, yb = self._to_device(x[rows], self.device), self._to_device(y[rows], self.device)
+            loss = lm_loss(model, xb, yb) / self.plan.count
+            if poison:
+                loss = loss * float("nan")
+            loss.backward()
+            self.tree.push()
+            values.append(loss.detach().double())
+        self.tree.finish()
+        return sum_over_micro_batches(values)
+
+    def val_batches(self, val_tokens: Any, seq_len: int, count: int) -> tuple[list[Batch], int]:
+        """This rank's validation micro-batches (padded to the same number on every rank) and
+        how many there are in all: up to ``count`` consecutive ones of the validation stream."""
+        every = eval_batches(val_tokens, seq_len, self.plan.micro_batch, count)
+        if not every:
+            return [], 0
+        per_rank = -(-len(every) // self.world)
+        mine = [s * self.world + self.rank for s in range(per_rank)]
+        return [every[i] if i < len(every) else every[0] for i in mine], len(every)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: list[Batch], count: int) -> float | None:
+        """The mean validation loss over the ``count`` global micro-batches, in fixed order."""
+        if not count:
+            return None
+        model.eval()
+        values = [
+            lm_loss(model, self._to_device(x, self.device), self._to_device(y, self.device))
+            .detach()
+            .double()
+            for x, y in batches
+        ]
+        model.train()
+        total = sum_over_micro_batches(values, count=count)
+        return float(total) / count
