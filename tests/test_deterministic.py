@@ -171,3 +171,9 @@ def test_train_stopped_at_4_ranks_resumed_at_2_equals_one_rank(tmp_path: Path) -
         n: [{k: r.get(k) for k in keys} for r in records(tmp_path / n)] for n in ("one", "moved")
     }
     assert figures["moved"] == figures["one"] and len(figures["one"]) == 4
+    # its checkpoint holds one global data position: a resume without --deterministic is
+    # refused on every rank, before anything is loaded
+    plain = [a for a in common if a != "--deterministic"] + ["--max-steps", "6"]
+    refused = train_on_ranks([*plain, "--name", "moved", "--resume", "latest"], world=2)
+    assert [r["status"] for r in refused] == [2, 2]
+    assert all("was written with --deterministic" in r["stderr"] for r in refused), refused

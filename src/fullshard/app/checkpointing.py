@@ -103,13 +103,21 @@ class TrainCheckpoints:
                 f"--resume {resume}: {exc}. Nothing was changed: resume from an earlier "
                 "checkpoint (--resume PATH), or drop --resume"
             ) from None
+        run: RunState = state["run"]
+        saved = bool(run.samplers[0].get("world_independent", False))
+        if saved != self.sampler.world_independent:  # every rank reads the same, and refuses
+            how = "with" if saved else "without"
+            raise ConfigError(
+                f"--resume {resume}: {folder} was written {how} --deterministic, whose data "
+                f"position is {'one global sampler' if saved else 'per rank'}: resume it {how} "
+                "--deterministic"
+            )
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
         )
-        run: RunState = state["run"]
         self.scheduler.load_state_dict(run.scheduler)
         rank = control.rank()
         if self.sampler.world_independent:  # the global sampler: one position for every rank

@@ -304,6 +304,7 @@ class RankBatches:
             "cursor": self.cursor,
             "batches_drawn": self.batches_drawn,
             "seed": self.seed,
+            "world_independent": self.world_independent,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -387,7 +387,13 @@ def _train(
                 book.act(verdicts.flush())  # a stop found a step late: this step's row too
                 lr, grad_norm = float(lr), book.grad_norm
                 # fixed order: each step's loss is the same global figure on every rank already
-                mean_loss = _global_mean(losses) if fixed is None else sum(losses) / len(losses)
+                mean_loss = (
+                    _global_mean(losses)
+                    if fixed is None
+                    else sum(losses) / len(losses)
+                    if losses
+                    else float("nan")
+                )
                 losses.clear()
                 mem = gather_memory(device)
                 val_loss = None

@@ -211,7 +211,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
             raise ConfigError(f"{_flag(key)} must be at least 1, got {getattr(cfg, key)}")
     for key in (
         "eval_every", "eval_batches", "warmup_steps", "sample_tokens", "top_k", "shard_size",
-        "max_restarts", "save_every", "keep", "stop_after",
+        "max_restarts", "save_every", "keep", "stop_after", "micro_batch_size",
     ):  # fmt: skip
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{_flag(key)} must be >= 0, got {getattr(cfg, key)}")
