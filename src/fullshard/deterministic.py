@@ -167,9 +167,9 @@ class GradientTree:
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor], plan: MicroBatches, world: int):
-        self.params = [p for p in parameters if p.requires_grad]
-        self.per_chunk = plan.chunk // world
         plan.check_world(world)
+        self.params = [p for p in parameters if p.requires_grad]
+        self.per_chunk = plan.chunk // world  # micro-steps per balanced chunk
         self._stack: list[tuple[int, list[torch.Tensor | None]]] = []
         self._total: list[torch.Tensor | None] | None = None
         self._in_chunk = 0

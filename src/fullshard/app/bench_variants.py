@@ -1,8 +1,9 @@
 """The variants ``fullshard bench`` compares, and one training step of each.
 
 Every variant trains the same model (same initial weights, same batches) on this rank: each
-fullshard strategy, torch's FSDP2, torch's DDP, and ``single`` (one process, the whole model,
-one rank's batch). Master weights and the optimizer stay float32 everywhere; ``--mixed-precision
+fullshard strategy, ``deterministic`` (full_shard with ``fullshard.deterministic``'s fixed-order
+sums, each rank's batch one micro-batch), torch's FSDP2, torch's DDP, and ``single`` (one
+process, the whole model, one rank's batch). Master weights and the optimizer stay float32 everywhere; ``--mixed-precision
 bf16`` computes in bfloat16 the way each implementation does it: fullshard and FSDP2 gather
 bf16 parameters and reduce gradients in float32 (their mixed-precision policies), DDP and
 ``single`` run forward and backward under ``torch.autocast``.
