@@ -71,6 +71,30 @@ def _context() -> Any:
     return _ctx
 
 
+def run_cases(rank: int, world: int, cases: dict[Any, tuple[Callable[..., Any], tuple]]) -> dict:
+    """Several checks in one launch (a launch costs seconds): each case ``fn(rank, world,
+    *args)`` of ``cases`` in turn, its result or the traceback it raised, so one failing case
+    names itself and the others still run. The default dtype is reset to float32 before each,
+    as a fresh rank starts. Pass it to :func:`run_ranks`; read a case with :func:`case_results`."""
+    import torch
+
+    out: dict[Any, dict[str, Any]] = {}
+    for key, (fn, args) in cases.items():
+        torch.set_default_dtype(torch.float32)
+        try:
+            out[key] = {"result": fn(rank, world, *args)}
+        except Exception:
+            out[key] = {"raised": traceback.format_exc()}
+    return out
+
+
+def case_results(results: list[dict], key: Any) -> list[Any]:
+    """One case of :func:`run_cases` on every rank; fails with its traceback if it raised."""
+    for r in results:
+        assert "raised" not in r[key], r[key]["raised"]
+    return [r[key]["result"] for r in results]
+
+
 class RanksFailed(AssertionError):
     """Some rank raised, or did not finish in time."""
 

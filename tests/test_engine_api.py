@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from commcount import RS, C10dCounter
-from harness import run_ranks
+from harness import case_results, run_cases, run_ranks
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from toy import ToyLM, batches, full_params, loss_of, shard_toy
@@ -303,25 +302,11 @@ CASES: dict[int, dict[str, tuple[Callable[..., Any], tuple]]] = {
 }
 
 
-def _cases(rank: int, world: int) -> dict[str, dict]:
-    """Each case of this world size in turn: its result, or the traceback it raised."""
-    out = {}
-    for name, (fn, args) in CASES[world].items():
-        torch.set_default_dtype(torch.float32)  # what a fresh rank starts with
-        try:
-            out[name] = {"result": fn(rank, world, *args)}
-        except Exception:
-            out[name] = {"raised": traceback.format_exc()}
-    return out
-
-
 @functools.cache
 def _at(world: int) -> list[dict[str, dict]]:
-    return run_ranks(_cases, world, timeout_s=300)
+    return run_ranks(run_cases, world, CASES[world], timeout_s=300)
 
 
 def _of(world: int, name: str) -> list[Any]:
     """One case's result on every rank (its traceback, if it raised)."""
-    for r in _at(world):
-        assert "raised" not in r[name], r[name]["raised"]
-    return [r[name]["result"] for r in _at(world)]
+    return case_results(_at(world), name)

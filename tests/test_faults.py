@@ -12,13 +12,12 @@ import functools
 import os
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from harness import RanksFailed, run_ranks
+from harness import RanksFailed, case_results, run_cases, run_ranks
 from torch import nn
 from toy import Block, ToyLM, batches, loss_of, shard_toy
 
@@ -510,13 +509,7 @@ def _in_turn(rank: int, world: int) -> dict[str, dict]:
     """This world size's shared cases in turn: each one's result, or the traceback it raised."""
     # a mismatched bf16 sum asks the store where every rank is: all of them report at once
     os.environ["FULLSHARD_REPORT_WAIT_S"] = "2"
-    out: dict[str, dict] = {}
-    for name, (fn, args) in SHARED[world].items():
-        try:
-            out[name] = {"result": fn(rank, world, *args)}
-        except Exception:
-            out[name] = {"raised": traceback.format_exc()}
-    return out
+    return run_cases(rank, world, SHARED[world])
 
 
 @functools.cache
@@ -526,6 +519,4 @@ def _launch(world: int) -> list[dict[str, dict]]:
 
 def _of(world: int, name: str) -> list[Any]:
     """One shared case's result on every rank (its traceback, if it raised)."""
-    for r in _launch(world):
-        assert "raised" not in r[name], r[name]["raised"]
-    return [r[name]["result"] for r in _launch(world)]
+    return case_results(_launch(world), name)

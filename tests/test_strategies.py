@@ -10,14 +10,13 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from commcount import RS, C10dCounter
-from harness import run_ranks
+from harness import case_results, run_cases, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from toy import Block, ToyLM, batches, full_params, loss_of
 
@@ -39,25 +38,13 @@ def _mesh(strategy: str, world: int):  # hybrid at 4 ranks: 2 replicas x 2 shard
     return None
 
 
-def _cases(rank: int, world: int, cases: dict[Any, tuple[Callable[..., Any], tuple]]) -> dict:
-    """Each case ``fn(rank, world, *args)`` in turn: its result, or the traceback it raised."""
-    out = {}
-    for key, (fn, args) in cases.items():
-        torch.set_default_dtype(torch.float32)  # what a fresh rank starts with (_parity sets 64)
-        try:
-            out[key] = {"result": fn(rank, world, *args)}
-        except Exception:
-            out[key] = {"raised": traceback.format_exc()}
-    return out
-
-
 @functools.cache
 def _at_4_ranks() -> list[dict]:
     cases: dict[Any, tuple[Callable[..., Any], tuple]] = {}
     for strategy in STRATEGIES:
         cases["parity", strategy] = (_parity, (strategy, 2, {}))
         cases["comm", strategy] = (_comm, (strategy,))
-    return run_ranks(_cases, 4, cases, timeout_s=600)
+    return run_ranks(run_cases, 4, cases, timeout_s=600)
 
 
 @functools.cache
@@ -68,14 +55,7 @@ def _at_2_ranks() -> list[dict]:
         "scaler": (_scaler, ()),
         "saved_activations": (_saved_activation_bytes, ()),
     }
-    return run_ranks(_cases, 2, cases, timeout_s=600)
-
-
-def _of(results: list[dict], key: Any) -> list[Any]:
-    """One case's result on every rank (its traceback, if it raised)."""
-    for r in results:
-        assert "raised" not in r[key], r[key]["raised"]
-    return [r[key]["result"] for r in results]
+    return run_ranks(run_cases, 2, cases, timeout_s=600)
 
 
 def _parity(rank: int, world: int, strategy: str, accum: int, opts: dict) -> dict:
@@ -126,14 +106,14 @@ def _parity(rank: int, world: int, strategy: str, accum: int, opts: dict) -> dic
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_strategy_matches_reference_at_4_ranks(strategy: str) -> None:
     # two micro-batches per step (sync off on the first) and clipping on every step
-    for res in _of(_at_4_ranks(), ("parity", strategy)):
+    for res in case_results(_at_4_ranks(), ("parity", strategy)):
         assert res["param_diff"] <= 1e-12, res
         assert res["norm_diff"] <= 1e-12, res
         assert res["norms"][0][1] > 0.5  # the clip really clipped
 
 
 def test_cpu_offload_and_activation_checkpointing_keep_parity() -> None:
-    for res in _of(_at_2_ranks(), "offload_ac"):
+    for res in case_results(_at_2_ranks(), "offload_ac"):
         assert res["param_diff"] <= 1e-12, res
         assert res["shard_devices"] == ["cpu"]
 
@@ -162,7 +142,7 @@ def test_collectives_per_strategy() -> None:
         "hybrid_shard_zero2": {"all_gather": units, RS: units, "all_reduce": units},
     }
     for strategy, calls in expect_calls.items():
-        res = _of(_at_4_ranks(), ("comm", strategy))[0]
+        res = case_results(_at_4_ranks(), ("comm", strategy))[0]
         assert res["calls"] == calls, (strategy, res)
         in_model = {k: v / res["model_bytes"] for k, v in res["bytes"].items()}
         if strategy == "no_shard":
@@ -205,7 +185,7 @@ def _mixed(rank: int, world: int, steps: int) -> dict:
 
 
 def test_bf16_tracks_fp32_over_50_steps() -> None:
-    res = _of(_at_2_ranks(), "mixed")[0]
+    res = case_results(_at_2_ranks(), "mixed")[0]
     assert res["bf16_compute"] == ["torch.bfloat16"] and res["fp32_compute"] == ["torch.float32"]
     assert res["bf16_master"] == ["torch.float32"] and res["bf16_grads"] == ["torch.float32"]
     fp32, bf16 = res["fp32"], res["bf16"]
@@ -236,7 +216,7 @@ def _scaler(rank: int, world: int) -> dict:
 
 
 def test_sharded_grad_scaler_skips_on_every_rank() -> None:
-    for res in _of(_at_2_ranks(), "scaler"):
+    for res in case_results(_at_2_ranks(), "scaler"):
         assert res["unchanged"]
         assert res["scale"] == 512.0
 
@@ -271,5 +251,5 @@ def _saved_activation_bytes(rank: int, world: int) -> dict:
 
 
 def test_activation_checkpointing_saves_less_for_backward() -> None:
-    res = _of(_at_2_ranks(), "saved_activations")[0]
+    res = case_results(_at_2_ranks(), "saved_activations")[0]
     assert res["ac"] < 0.5 * res["plain"], res

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import case_results, run_cases, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -117,7 +116,7 @@ def _parity(rank: int, world: int, tp: int, hsdp: bool) -> dict:
 def test_fsdp_times_tp_matches_one_process(
     four_ranks: list[dict], world: int, tp: int, hsdp: bool
 ) -> None:
-    results = _of(four_ranks, ("parity", tp, hsdp))
+    results = case_results(four_ranks, ("parity", tp, hsdp))
     worst = {k: max(r[k] for r in results) for k in ("diff", "export_diff", "norm_diff")}
     print(f"\n{'HSDP' if hsdp else 'FSDP'} x TP{tp} at {world} ranks, float64: {worst}")
     for r in results:
@@ -144,7 +143,7 @@ def _bad_mesh(rank: int, world: int) -> str:
 
 
 def test_tp_on_the_mesh_fullshard_shards_over_is_refused(four_ranks: list[dict]) -> None:
-    for msg in _of(four_ranks, "bad_mesh"):
+    for msg in case_results(four_ranks, "bad_mesh"):
         assert "up.weight" in msg and "mesh['tp']" in msg
 
 
@@ -196,7 +195,7 @@ def _load_and_step(rank: int, world: int, folder: str) -> dict:
 def test_checkpoint_saved_at_dp2_tp2_loads_at_dp1_tp2(
     four_ranks: list[dict], checkpoint_folder: str
 ) -> None:
-    _of(four_ranks, "save")  # saved to checkpoint_folder, in the 4-rank launch
+    case_results(four_ranks, "save")  # saved to checkpoint_folder, in the 4-rank launch
     for r in run_ranks(_load_and_step, 2, checkpoint_folder, timeout_s=180):
         assert r["diff"] <= 1e-12, r
 
@@ -278,7 +277,7 @@ def _builtin_gpt_tp(rank: int, world: int) -> dict:
 
 
 def test_the_builtin_gpt_plan_matches_one_process(four_ranks: list[dict]) -> None:
-    for r in _of(four_ranks, "builtin_gpt"):
+    for r in case_results(four_ranks, "builtin_gpt"):
         assert r["diff"] <= 1e-10, r
         assert r["tp_params"] > 0, r  # the plan really split the blocks' matrices
 
@@ -314,7 +313,7 @@ def _cuda_tp_mesh(rank: int, world: int) -> str:
 def test_a_tp_mesh_of_another_device_type_is_refused_on_every_rank(
     four_ranks: list[dict],
 ) -> None:
-    for msg in _of(four_ranks, "cuda_tp_mesh"):
+    for msg in case_results(four_ranks, "cuda_tp_mesh"):
         assert "up.weight" in msg and "'cuda' mesh" in msg and "init_device_mesh" in msg
 
 
@@ -331,7 +330,7 @@ def _int_reshard(rank: int, world: int) -> str:
 
 
 def test_an_int_reshard_after_forward_is_refused_for_tp_units(four_ranks: list[dict]) -> None:
-    for msg in _of(four_ranks, "int_reshard"):
+    for msg in case_results(four_ranks, "int_reshard"):
         assert "tensor-parallel" in msg and "reshard_after_forward=2" in msg
 
 
@@ -347,14 +346,7 @@ def _cases(rank: int, world: int, folder: str) -> dict:
         "cuda_tp_mesh": (_cuda_tp_mesh, ()),
         "int_reshard": (_int_reshard, ()),
     }
-    out = {}
-    for key, (fn, args) in cases.items():
-        torch.set_default_dtype(torch.float32)  # what a fresh rank starts with
-        try:
-            out[key] = {"result": fn(rank, world, *args)}
-        except Exception:
-            out[key] = {"raised": traceback.format_exc()}
-    return out
+    return run_cases(rank, world, cases)
 
 
 @pytest.fixture(scope="module")
@@ -365,10 +357,3 @@ def checkpoint_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def four_ranks(checkpoint_folder: str) -> list[dict]:
     return run_ranks(_cases, 4, checkpoint_folder, timeout_s=600)
-
-
-def _of(results: list[dict], key: Any) -> list[Any]:
-    """One case's result on every rank (its traceback, if it raised)."""
-    for r in results:
-        assert "raised" not in r[key], r[key]["raised"]
-    return [r[key]["result"] for r in results]
