@@ -110,6 +110,32 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _accumulate(
+    model: nn.Module,
+    sampler: RankBatches,
+    grad_accum: int,
+    device: torch.device,
+    scaler: ShardedGradScaler | None,
+    poison: bool,
+) -> torch.Tensor:
+    """The default step's forward and backward: ``grad_accum`` micro-batches of this rank's
+    sampler, the gradients reduce-scattered only on the last (earlier ones accumulate into the
+    unsharded gradients locally). Returns the rank's mean loss, on the device: no
+    per-micro-batch ``float(loss)`` stalls the host."""
+    from fullshard.app.wrap import set_gradient_sync
+
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for k in range(grad_accum):
+        set_gradient_sync(model, k == grad_accum - 1)
+        x, y = sampler.next_batch()
+        loss = lm_loss(model, to_device(x, device), to_device(y, device)) / grad_accum
+        if poison:
+            loss = loss * float("nan")
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_sum += loss.detach().double()
+    return loss_sum
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list, device: torch.device) -> float | None:
     """Mean validation loss over every rank's batches (an all_reduce: call on all ranks)."""
@@ -212,7 +238,7 @@ def _train(
     if vocab < tokenizer.vocab_size:
         raise ConfigError(f"model vocabulary {vocab} < tokenizer vocabulary {tokenizer.vocab_size}")
 
-    from fullshard.app.wrap import clip_gradients, set_gradient_sync, shard_model
+    from fullshard.app.wrap import clip_gradients, shard_model
 
     plan = shard_model(
         model,
@@ -319,19 +345,10 @@ def _train(
             poison = fault.at_step(step, rank) if fault is not None else False
             # The step's figures (loss, gradient norm, votes) stay on the device until the
             # step's one read below: no per-micro-batch float(loss) stalls the host.
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             if fixed is not None:  # every micro-batch reduces, in the fixed tree
                 loss_sum = fixed.step(model, step, sampler.next_batch(), poison)
-            for k in range(cfg.grad_accum if fixed is None else 0):
-                # Reduce-scatter gradients only on the last micro-batch; earlier ones
-                # accumulate into the unsharded gradients locally.
-                set_gradient_sync(model, k == cfg.grad_accum - 1)
-                x, y = sampler.next_batch()
-                loss = lm_loss(model, to_device(x, device), to_device(y, device)) / cfg.grad_accum
-                if poison:
-                    loss = loss * float("nan")
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-                loss_sum += loss.detach().double()
+            else:
+                loss_sum = _accumulate(model, sampler, cfg.grad_accum, device, scaler, poison)
             if scaler is not None:
                 scaler.unscale_(opt)
             norm = clip_gradients(model.parameters(), cfg.clip, fixed_order=fixed is not None)

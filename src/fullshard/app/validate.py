@@ -28,6 +28,7 @@ from pathlib import Path
 from fullshard.app.config import TrainConfig, reshard_after_forward_arg
 from fullshard.app.dims import ParallelDims
 from fullshard.app.errors import ConfigError
+from fullshard.app.validate_data import check_data
 from fullshard.policies import FullshardError
 
 __all__ = [
@@ -194,7 +195,7 @@ def validate_train(cfg: TrainConfig, dims: ParallelDims | int) -> None:
     if cfg.checkpoint_dir is not None:
         _writable_folder(cfg.checkpoint_dir, "--checkpoint-dir")
     _check_resume(cfg)
-    _check_data(cfg, dims)
+    check_data(cfg, dims)
     if kind == "hf":
         _check_hf_weights(cfg.model, name)
     if cfg.tp > 1:
@@ -380,126 +381,6 @@ def _check_resume(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"--resume {cfg.resume}: checkpoint {folder} is damaged: {problem}. Nothing was "
             "changed: resume from an earlier checkpoint (--resume PATH), or drop --resume"
-        )
-
-
-def _text_files(path: str) -> list[Path]:
-    """The files ``load_text`` would read for ``--data path``, each checked to be text (not
-    compressed or binary: ``load_text`` would refuse it on every rank)."""
-    from fullshard.app.data import TEXT_SUFFIXES, check_text_file
-
-    p = Path(path)
-    if p.is_file():
-        check_text_file(p)
-        return [p]
-    if not p.is_dir():
-        raise ConfigError(f"--data {path} is neither a file nor a folder: give a text file")
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
-    if not files:
-        raise ConfigError(
-            f"--data {path}: the folder holds no text files ({', '.join(TEXT_SUFFIXES)}): "
-            "add some, or give a text file"
-        )
-    for f in files:
-        check_text_file(f)
-    return files
-
-
-def _check_data(cfg: TrainConfig, dims: ParallelDims) -> None:
-    """The corpus is not empty, and (byte tokens) gives every rank one training micro-batch."""
-    from fullshard.app.data import default_corpus, load_text, split_sizes, windows
-    from fullshard.app.token_shards import is_prepared
-
-    if is_prepared(cfg.data):
-        _check_prepared(cfg, dims)
-        return
-    source = f"--data {cfg.data}" if cfg.data else "--data (default: the built-in corpus)"
-    size = 0
-    if cfg.data is not None:
-        files = _text_files(cfg.data)
-        size = sum(f.stat().st_size for f in files)
-        if size == 0:
-            what = "the file is empty" if len(files) == 1 else f"all {len(files)} files are empty"
-            raise ConfigError(f"{source}: {what}: give text to train on")
-    if cfg.tokenizer != "byte":
-        return  # counting other tokens means tokenizing the corpus: the ranks check it
-    micro, world_size = _draws(cfg, dims)
-    need = micro * (cfg.seq_len + 1) + cfg.seq_len  # training tokens per rank for one batch
-
-    def enough(n_tokens: int) -> bool:
-        return windows(split_sizes(n_tokens, world_size, cfg.val_fraction)[0], cfg.seq_len) >= micro
-
-    # Bytes on disk are at least twice the tokens (only "\r\n" -> "\n" shrinks text): a corpus
-    # large enough by its sizes is not read here.
-    if cfg.data is not None and enough(size // 2):
-        return
-    text = load_text(cfg.data) if cfg.data is not None else default_corpus()
-    n = len(text.encode("utf-8"))
-    if not enough(n):
-        train = split_sizes(n, world_size, cfg.val_fraction)[0]
-        raise ConfigError(
-            f"{source}: {n:,} tokens are too few for one training batch: after --val-fraction "
-            f"{cfg.val_fraction} is held out, each of {world_size} ranks gets {train:,} training "
-            f"tokens, and one micro-batch of {micro} sequences of --seq-len {cfg.seq_len} needs "
-            f"{need:,}. Give more text, or a smaller --batch-size, --seq-len or --nproc"
-        )
-
-
-def _draws(cfg: TrainConfig, dims: ParallelDims) -> tuple[int, int]:
-    """``(sequences one draw of a sampler takes, ranks the training stream is split over)``:
-    a micro-batch from each data-parallel rank's slice, or with ``--deterministic`` the whole
-    global batch from the whole stream (the global sampler)."""
-    if cfg.deterministic:
-        return cfg.batch_size, 1
-    return cfg.micro_batch(dims.dp), dims.dp
-
-
-def _check_prepared(cfg: TrainConfig, dims: ParallelDims) -> None:
-    """A prepared folder (``fullshard prepare``): its index, tokenizer and split agree with the
-    flags, its shard files are intact (NOTE [Verifying token shards]: re-hashed only when their
-    stat changed), every id is inside the vocabulary, and every data-parallel rank gets a batch.
-    All from the index and file stats: the cost does not grow with the corpus."""
-    from fullshard.app.data import windows
-    from fullshard.app.token_shards import (
-        describe_tokenizer,
-        read_index,
-        tokenizer_identity,
-        verify_shards,
-    )
-
-    assert cfg.data is not None
-    source = f"--data {cfg.data}"
-    index = read_index(cfg.data)
-    prepared, mine = index["tokenizer"], tokenizer_identity(cfg.tokenizer)
-    if prepared.get("kind") != mine["kind"] or prepared.get("sha256") != mine.get("sha256"):
-        raise ConfigError(
-            f"{source} was prepared with {describe_tokenizer(prepared)}, but --tokenizer "
-            f"{cfg.tokenizer} is {describe_tokenizer(mine)}: train with the tokenizer it was "
-            f"prepared with, or prepare it again with --tokenizer {cfg.tokenizer}"
-        )
-    if index["val_fraction"] != cfg.val_fraction:
-        raise ConfigError(
-            f"{source} was split with --val-fraction {index['val_fraction']} when it was "
-            f"prepared, not {cfg.val_fraction}: train with --val-fraction {index['val_fraction']}"
-            ", or prepare it again"
-        )
-    verify_shards(cfg.data, full=False)
-    vocab = int(prepared["vocab_size"])
-    for split in ("train", "val"):
-        for shard in index["splits"][split]["shards"]:
-            if shard["max_token_id"] >= vocab:
-                raise ConfigError(
-                    f"{Path(cfg.data) / shard['file']}: token id {shard['max_token_id']} is "
-                    f"outside the tokenizer's vocabulary of {vocab}: prepare the corpus again"
-                )
-    micro, dp = _draws(cfg, dims)
-    train = int(index["splits"]["train"]["tokens"]) // dp
-    if windows(train, cfg.seq_len) < micro:
-        raise ConfigError(
-            f"{source}: {index['tokens']:,} tokens are too few for one training batch: each of "
-            f"{dp} ranks gets {train:,} training tokens, and one micro-batch of {micro} "
-            f"sequences of --seq-len {cfg.seq_len} needs {micro * (cfg.seq_len + 1) + cfg.seq_len:,}"
-            ". Give more text, or a smaller --batch-size, --seq-len or --nproc"
         )
 
 
