@@ -117,8 +117,12 @@ def test_memory_per_variant(bench_memory: tuple[int, Path, dict[str, Any]]) -> N
     fs = summary["variants"]["full_shard"]["memory"]
     ddp = summary["variants"]["ddp"]["memory"]
     assert ddp["live_peak_mib"] * MIB >= 4 * model_bytes
-    # measured: full_shard ~3.7, DDP ~6.1 model sizes (largest rank)
-    assert fs["live_peak_mib"] + model_bytes / MIB < ddp["live_peak_mib"]
+    # The live peak includes the step's transients, whose overlap depends on timing (gloo's
+    # work threads, DDP's bucket all-reduce during backward): measured over 7 launches on one
+    # machine, full_shard 3.0-4.6 and DDP 5.1-6.1 model sizes (largest rank); a margin of one
+    # model size failed once. What sharding must show regardless: less than DDP, and the
+    # optimizer's parameters halved (the tracker's figure below, exact).
+    assert fs["live_peak_mib"] < ddp["live_peak_mib"]
     # measured: ~5.1 vs ~7.6 model sizes (6.5 vs 9.7 MiB for this model)
     assert fs["rss_growth_mib"] < ddp["rss_growth_mib"]
     peaks = fs["per_rank"][0]["tracker_peaks"]["optimizer"]

@@ -268,6 +268,12 @@ def _train(args: argparse.Namespace) -> int:
         # torchrun's own parser would otherwise claim abbreviations such as "--nproc"
         # (a prefix of its --nproc-per-node), and the ranks need no config file.
         flags = to_flags(cfg, exclude=("nproc", "max_restarts"))
+        if cfg.elastic:
+            from fullshard.app.supervisor import launch_elastic
+
+            return launch_elastic(
+                cfg.nproc, ["train", *flags], max_replacements=cfg.max_replacements
+            )
         return launch_local(cfg.nproc, ["train", *flags], max_restarts=cfg.max_restarts)
     from fullshard.app.preempt import PREEMPTED_EXIT
     from fullshard.app.trainer import train

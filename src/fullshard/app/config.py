@@ -232,6 +232,24 @@ class TrainConfig:
         "--max-restarts); a restarted run resumes from its latest checkpoint",
         group="launch",
     )
+    elastic: bool = _opt(
+        False,
+        "live recovery: when a rank's process dies, the others keep running, take a "
+        "replacement in its place and rebuild its shards from their ring neighbours' copies in "
+        "memory, then redo the step (fullshard.elastic; needs --deterministic and --nproc)",
+        group="launch",
+    )
+    elastic_every: int = _opt(
+        1,
+        "--elastic: copy the shards to the ring neighbour every this many steps (recovery "
+        "replays the steps since)",
+        group="launch",
+    )
+    max_replacements: int = _opt(
+        2,
+        "--elastic: replacement processes to start in all; one loss more ends the job",
+        group="launch",
+    )
     nproc: int = _opt(
         2,
         "local ranks to launch through torch.distributed.run (ignored under torchrun, which "

@@ -2,7 +2,7 @@
 
 ``FULLSHARD_FAULT="KIND:rank=R:step=S"`` makes rank R misbehave at the start of step S:
 
-- ``kill``: the process exits at once (as if killed or out of memory);
+- ``kill``: the process SIGKILLs itself (as if killed, or out of memory);
 - ``hang``: the process stops in a sleep longer than any timeout (a stuck rank);
 - ``nan``: the rank's loss becomes NaN for that step (a numerical blow-up on one rank);
 - ``signal``: the rank sends itself a stop signal (``sig=TERM`` or ``sig=USR1``, default TERM)
@@ -10,7 +10,9 @@
   the preemption checkpoint's save starts (a second signal during the save).
 
 Faults fire only in the first attempt of a job (``TORCHELASTIC_RESTART_COUNT`` 0), so that a run
-under ``torchrun --max-restarts`` can show its recovery.
+under ``torchrun --max-restarts`` can show its recovery, and only in the first process of a rank
+(``--elastic``'s replacements get none). Several faults are joined with ``+``:
+``kill:rank=2:step=4+kill:rank=0:step=7``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from fullshard.comm import control
 from fullshard.policies import FullshardError
 
-__all__ = ["Fault", "NonFiniteError", "agree_step", "fault_from_env"]
+__all__ = ["Fault", "Faults", "NonFiniteError", "agree_step", "fault_from_env"]
 
 KINDS = ("kill", "hang", "nan", "signal")
 
@@ -54,7 +56,7 @@ class Fault:
             self._send(rank, f"at step {step}")
         if self.kind == "kill":
             print(f"[fault] rank {rank} killed at step {step}", flush=True)
-            os._exit(1)
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "hang":
             print(f"[fault] rank {rank} hangs at step {step}", flush=True)
             time.sleep(10**6)
@@ -66,10 +68,32 @@ class Fault:
             self._send(rank, "again, during the preemption checkpoint's save")
 
 
-def fault_from_env() -> Fault | None:
+@dataclass(frozen=True)
+class Faults:
+    """Several faults in one run (``+``-joined specs): each applies as a :class:`Fault` does."""
+
+    faults: tuple[Fault, ...]
+
+    def at_step(self, step: int, rank: int) -> bool:
+        poisons = [f.at_step(step, rank) for f in self.faults]
+        return any(poisons)
+
+    def at_preemption_save(self, rank: int) -> None:
+        for f in self.faults:
+            f.at_preemption_save(rank)
+
+
+def fault_from_env() -> Fault | Faults | None:
     spec = os.environ.get("FULLSHARD_FAULT", "")
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
+    if os.environ.get("FULLSHARD_ELASTIC_GENERATION"):  # an --elastic replacement
+        return None
+    faults = tuple(_parse(part) for part in spec.split("+"))
+    return faults[0] if len(faults) == 1 else Faults(faults)
+
+
+def _parse(spec: str) -> Fault:
     kind, *fields = spec.split(":")
     values = dict(f.split("=", 1) for f in fields)
     if kind not in KINDS:

@@ -11,10 +11,12 @@ step, which needs the verdict). Logged steps read a little more (metrics, memory
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -23,7 +25,7 @@ from torch import nn
 
 from fullshard import ShardedGradScaler
 from fullshard.app.checkpointing import TrainCheckpoints
-from fullshard.app.config import TrainConfig, reshard_after_forward_arg, to_toml
+from fullshard.app.config import TrainConfig, to_toml
 from fullshard.app.data import (
     RankBatches,
     build_tokenizer,
@@ -33,15 +35,11 @@ from fullshard.app.data import (
 )
 from fullshard.app.dims import ParallelDims
 from fullshard.app.errors import ConfigError
-from fullshard.app.faults import agree_step, fault_from_env
+from fullshard.app.faults import NonFiniteError, agree_step, fault_from_env
 from fullshard.app.launch import DistInfo, rank_session
 from fullshard.app.models import (
-    build_model,
-    count_params,
     generate,
     lm_loss,
-    output_vocab_size,
-    unit_types_of,
 )
 from fullshard.app.monitor import MetricsLog, format_mem, gather_memory, make_run_dir, plot_losses
 from fullshard.app.preempt import (
@@ -51,44 +49,15 @@ from fullshard.app.preempt import (
     signal_name,
     write_marker,
 )
+from fullshard.app.rank_build import RankBuild, build_rank, lr_lambda, param_groups, to_device
 from fullshard.app.step_verdict import (
     DeviceSchedule,
     StepBook,
-    StepVerdicts,
-    cosine_multiplier,
-    fused_adamw_available,
 )
 from fullshard.comm import control
-from fullshard.comm.device import cuda_semantics
 from fullshard.testing import emulation
 
 __all__ = ["log_line", "lr_lambda", "param_groups", "progress_bar", "to_device", "train"]
-
-# Parameter-name fragments that get no weight decay: decaying biases, norm gains or embedding
-# rows toward zero only fights the model (they are not "capacity" in the way weight matrices are).
-NO_DECAY_MARKERS = ("bias", "norm", "ln_", "embed", "wte", "wpe")
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups by parameter name: decay for weight matrices, none for biases/norms/embeddings."""
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if any(m in name.lower() for m in NO_DECAY_MARKERS) else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Multiplier of the peak LR: linear warmup over ``warmup`` steps, then cosine to ``min_ratio``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _save(ckpt: TrainCheckpoints, step: int, dsched: DeviceSchedule | None) -> None:
@@ -98,16 +67,6 @@ def _save(ckpt: TrainCheckpoints, step: int, dsched: DeviceSchedule | None) -> N
         return
     with dsched.as_floats():
         ckpt.save(step)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` without waiting for the device: a pageable host-to-GPU copy blocks
-    the host until the GPU has finished everything queued before it, so batches go through
-    pinned memory, asynchronously (the caching host allocator keeps the pinned buffer alive
-    until the copy has run)."""
-    if not cuda_semantics(device):
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _accumulate(
@@ -200,16 +159,29 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> dict[str, Any]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     tokenizer = build_tokenizer(cfg.tokenizer)
     tokens = load_tokens(cfg.data, tokenizer)  # a prepared folder is memory-mapped, not read
-    with rank_session(cfg.device, cfg.timeout, cfg.backend) as info:
+    session: Any
+    if cfg.elastic:  # its launcher's store and generations (fullshard.app.elastic_run)
+        from fullshard.app.elastic_run import elastic_session
+
+        session = elastic_session(cfg.device, cfg.timeout, cfg.backend, cfg.elastic_every)
+    else:
+        session = rank_session(cfg.device, cfg.timeout, cfg.backend)
+    with session as joined:
+        info, mgr = joined if cfg.elastic else (joined, None)
         # FULLSHARD_CUDA_EMULATION=1: the whole run takes its CUDA path on CPU, checked
         # (fullshard.testing.cuda_emulation), and summary.json counts host syncs per step
         checked = emulation.enabled_from_env()
         with emulation.cuda_emulation(all_device=True) if checked else contextlib.nullcontext():
-            return _train(cfg, dims, info, tokenizer, tokens)
+            return _train(cfg, dims, info, tokenizer, tokens, mgr)
 
 
 def _train(
-    cfg: TrainConfig, dims: ParallelDims, info: DistInfo, tokenizer: Any, tokens: Any
+    cfg: TrainConfig,
+    dims: ParallelDims,
+    info: DistInfo,
+    tokenizer: Any,
+    tokens: Any,
+    mgr: Any = None,  # fullshard.elastic.Manager under --elastic
 ) -> dict[str, Any]:
     rank, world, device = info.rank, info.world_size, info.device
     if device.type == "cpu":
@@ -228,81 +200,57 @@ def _train(
         sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
         val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
 
-    # lazy_weights: a safetensors checkpoint is built on meta and loaded by shard_model, each
-    # rank reading only its rows; so the vocabulary is read off the output layer, not a forward
-    model = build_model(
-        cfg.model, tokenizer.vocab_size, seed=cfg.seed, device=device, lazy_weights=True
-    )
-    n_params = count_params(model)
-    vocab = output_vocab_size(model)
-    if vocab < tokenizer.vocab_size:
-        raise ConfigError(f"model vocabulary {vocab} < tokenizer vocabulary {tokenizer.vocab_size}")
+    from fullshard.app.wrap import clip_gradients
 
-    from fullshard.app.wrap import clip_gradients, shard_model
-
-    plan = shard_model(
-        model,
-        cfg.strategy,
-        unit_types_of(model),
-        mixed_precision=cfg.mixed_precision,
-        dims=dims,
-        activation_checkpointing=cfg.activation_checkpointing,
-        float8=cfg.float8,
-        reshard_after_forward=reshard_after_forward_arg(cfg.reshard_after_forward),
-        cpu_offload=cfg.cpu_offload,
-    )
-    fixed, val_count = None, 0
-    if cfg.deterministic:
-        from fullshard.app.fixed_order import FixedOrderSteps
-
-        fixed = FixedOrderSteps(
-            model, global_batch=cfg.batch_size, micro_batch=micro, seed=cfg.seed, rank=rank,
-            world=world, device=device, to_device=to_device,
-        )  # fmt: skip
-        val, val_count = fixed.val_batches(val_tokens, cfg.seq_len, cfg.eval_batches)
-    # NOTE [The step's verdict on the device]: on the CUDA path the device skips non-finite
-    # steps (fused AdamW's found_inf, a device schedule) and the host reads verdicts a step late
-    on_device = cuda_semantics(device) and fused_adamw_available(device)
-    opt = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        **({"fused": True} if on_device else {}),
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    )
-    multiplier = cosine_multiplier(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    dsched = DeviceSchedule(opt, sched, multiplier, device) if on_device else None
-    verdicts = StepVerdicts(lag=1 if on_device else 0)
-    # fp16 needs loss scaling; the sharded scaler makes the skip decision on every rank alike
-    scaler = ShardedGradScaler(device.type) if cfg.mixed_precision == "fp16" else None
+    b = build_rank(cfg, dims, tokenizer, rank, world, device, val_tokens)
+    model, plan, fixed, opt, sched = b.model, b.plan, b.fixed, b.opt, b.sched
+    dsched, verdicts, scaler, n_params = b.dsched, b.verdicts, b.scaler, b.n_params
+    if fixed is not None:
+        val, val_count = b.val, b.val_count
 
     run_dir: Path | None = None
     log: MetricsLog | None = None
     bar = None
-    if rank == 0:
-        run_dir = make_run_dir(cfg.runs_dir, cfg.name)
-    # every rank needs the same checkpoint folder: rank 0 named the run folder
-    folder = control.broadcast_object(
-        cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")
-    )
+    skipped: list[int] = []
+    joiner = mgr is not None and mgr.membership.joined_now
+    if joiner:  # a replacement: the run's folder, and its state from its peers (in memory)
+        from fullshard.app.elastic_run import RUN_DIR_KEY, apply_loop_state, join_restore
+
+        run_dir = Path(mgr.store.get(RUN_DIR_KEY).decode())
+        folder = cfg.checkpoint_dir or str(run_dir / "checkpoints")
+        state, done = join_restore(mgr, model, opt, folder)
+        apply_loop_state(state, sched, sampler, skipped)
+        resume = None
+    else:
+        if rank == 0:
+            run_dir = make_run_dir(cfg.runs_dir, cfg.name)
+            if mgr is not None:
+                from fullshard.app.elastic_run import RUN_DIR_KEY
+
+                mgr.store.set(RUN_DIR_KEY, str(run_dir))
+        # every rank needs the same checkpoint folder: rank 0 named the run folder
+        folder = control.broadcast_object(
+            cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")
+        )
     ckpt = TrainCheckpoints(
         folder, model, opt, sched, sampler, keep=cfg.keep, async_save=cfg.async_save
     )
-    resume = cfg.resume
-    if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        # restarted by torchrun after a failure: continue from the last complete checkpoint
-        resume = "latest" if ckpt.resolve("latest") is not None else None
-    done = ckpt.resume(resume) if resume is not None else 0
-    if rank == 0:  # after a resume that worked: a failed one leaves the run's config as it was
+    if not joiner:
+        resume = cfg.resume
+        if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # restarted by torchrun after a failure: continue from the last complete checkpoint
+            resume = "latest" if ckpt.resolve("latest") is not None else None
+        done = ckpt.resume(resume) if resume is not None else 0
+    if rank == 0 and not joiner:  # after a resume that worked: a failed one leaves the config
         assert run_dir is not None
         (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
     if dsched is not None:
         dsched.reload()  # the loaded optimizer holds float learning rates again
     fault = fault_from_env()
-    skipped: list[int] = []
-    if rank == 0:
+    if rank == 0 and joiner:
+        assert run_dir is not None
+        log = MetricsLog(run_dir / "metrics.jsonl", append=True)
+    elif rank == 0:
         assert run_dir is not None
         log = MetricsLog(run_dir / "metrics.jsonl", append=done > 0)
         if done:
@@ -331,128 +279,174 @@ def _train(
     last_step, first_loss, last_loss, val_loss = done, float("nan"), float("nan"), None
     stopped = preempted = False
     book = StepBook(cfg, rank, scaler is None, log, losses, skipped)
-    step = done
     if rank == 0:
         clear_marker()  # this attempt trains on: an earlier attempt's preemption is over
     # NOTE [Preemption]: from here on a stop signal only sets a flag, which the step votes on
     host_syncs: dict[str, int] = {}  # under the CUDA emulation: step -> host syncs counted
+    step = done + 1
     with StopSignals() as signals:
-        for step in range(done + 1, cfg.max_steps + 1):
-            if emulation.is_active():
-                if step > done + 1:
-                    host_syncs[str(step - 1)] = sum(emulation.sync_counts().values())
-                emulation.reset_sync_counts()
-            poison = fault.at_step(step, rank) if fault is not None else False
-            # The step's figures (loss, gradient norm, votes) stay on the device until the
-            # step's one read below: no per-micro-batch float(loss) stalls the host.
-            if fixed is not None:  # every micro-batch reduces, in the fixed tree
-                loss_sum = fixed.step(model, step, sampler.next_batch(), poison)
-            else:
-                loss_sum = _accumulate(model, sampler, cfg.grad_accum, device, scaler, poison)
-            if scaler is not None:
-                scaler.unscale_(opt)
-            norm = clip_gradients(model.parameters(), cfg.clip, fixed_order=fixed is not None)
-            figures = torch.stack([loss_sum, norm.detach().to(device, torch.float64).reshape(())])
-            # Every precision votes: with fp16 the scaler's own vote decides skipping (it skips
-            # and rescales), but the ranks must still agree on when to stop.
-            votes = agree_step(loss_sum, norm, signals.flag(device)).to(device)
-            row = torch.cat([figures, votes])
-            is_eval = step == cfg.max_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
-            # NOTE [The step's verdict on the device]: which steps read their own row at once
-            urgent = (
-                step == 1
-                or step % cfg.log_every == 0
-                or is_eval
-                or (cfg.save_every > 0 and step % cfg.save_every == 0)
-                or (cfg.stop_after > 0 and step - done >= cfg.stop_after)
-                or cfg.on_nonfinite == "stop"
-            )
-            lr = sched.get_last_lr()[0] if dsched is None else dsched.lrs[0].clone()
-            if dsched is not None:  # the device decides: skipped there, schedule included
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.found_inf = votes[0].float()  # type: ignore[attr-defined]
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-                dsched.step(1.0 - votes[0] if scaler is None else torch.ones_like(votes[0]))
-            bad = book.act(verdicts.push(step, row, now=urgent))
-            # this step's own verdict is known now on CPU, and on urgent steps on the device
-            bad = bad and (urgent or verdicts.lag == 0)
-            preempted = book.preempted
-            if dsched is None:
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
-                elif not bad:
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-                if not bad:  # a skipped step leaves the schedule where it was, too
-                    sched.step()
+        while step <= cfg.max_steps:
+            try:
+                if mgr is not None:  # the step boundary: ring copies (fullshard.elastic)
+                    from fullshard.app.elastic_run import loop_state
 
-            if cfg.save_every > 0 and step % cfg.save_every == 0:
-                _save(ckpt, step, dsched)
-            stopped = preempted or (
-                cfg.stop_after > 0 and step - done >= cfg.stop_after and step < cfg.max_steps
-            )
-            if bad or not (step == 1 or step % cfg.log_every == 0 or is_eval or stopped):
-                if bar is not None:
-                    bar.update(1)
-            else:
-                # Logged step: a few tiny collectives, on every rank.
-                book.act(verdicts.flush())  # a stop found a step late: this step's row too
-                lr, grad_norm = float(lr), book.grad_norm
-                # fixed order: each step's loss is the same global figure on every rank already
-                mean_loss = (
-                    _global_mean(losses)
-                    if fixed is None
-                    else sum(losses) / len(losses)
-                    if losses
-                    else float("nan")
+                    mgr.snapshot(step - 1, model, opt, loop_state(sched, sampler, skipped))
+                if emulation.is_active():
+                    if step > done + 1:
+                        host_syncs[str(step - 1)] = sum(emulation.sync_counts().values())
+                    emulation.reset_sync_counts()
+                poison = fault.at_step(step, rank) if fault is not None else False
+                # The step's figures (loss, gradient norm, votes) stay on the device until the
+                # step's one read below: no per-micro-batch float(loss) stalls the host.
+                if fixed is not None:  # every micro-batch reduces, in the fixed tree
+                    loss_sum = fixed.step(model, step, sampler.next_batch(), poison)
+                else:
+                    loss_sum = _accumulate(model, sampler, cfg.grad_accum, device, scaler, poison)
+                if scaler is not None:
+                    scaler.unscale_(opt)
+                norm = clip_gradients(model.parameters(), cfg.clip, fixed_order=fixed is not None)
+                figures = torch.stack(
+                    [loss_sum, norm.detach().to(device, torch.float64).reshape(())]
                 )
-                losses.clear()
-                mem = gather_memory(device)
-                val_loss = None
-                if is_eval:
-                    val_loss = (
-                        evaluate(model, val, device)
-                        if fixed is None
-                        else fixed.evaluate(model, val, val_count)
-                    )
-                now = time.perf_counter()
-                tok_s = tokens_per_step * (step - last_step) / (now - last_t)
-                last_step, last_t = step, now
-                first_loss = mean_loss if math.isnan(first_loss) else first_loss
-                last_loss = mean_loss
-                if log is not None:
-                    log.write(
-                        _record(step, mean_loss, lr, grad_norm, tok_s, now - start, mem, val_loss)
-                    )
-                if bar is not None and not bar.disable:
-                    bar.set_postfix_str(
-                        f"loss {mean_loss:.3f} | {tok_s:,.0f} tok/s | mem {format_mem(mem)}"
-                    )
-                    bar.update(1)
-                    if val_loss is not None:
-                        bar.write(f"step {step}: val_loss {val_loss:.4f}")
-                elif rank == 0:  # no bar on screen: a plain line per logged step
-                    line = log_line(step, cfg.max_steps, mean_loss, tok_s, format_mem(mem))
-                    print(
-                        line + ("" if val_loss is None else f" | val_loss {val_loss:.4f}"),
-                        flush=True,
-                    )
-            if stopped:  # --stop-after, or a stop signal: checkpoint, then leave
-                if preempted and fault is not None:
-                    fault.at_preemption_save(rank)
-                if ckpt.last_saved != step:
+                # Every precision votes: with fp16 the scaler's own vote decides skipping (it skips
+                # and rescales), but the ranks must still agree on when to stop.
+                votes = agree_step(loss_sum, norm, signals.flag(device)).to(device)
+                row = torch.cat([figures, votes])
+                is_eval = step == cfg.max_steps or (
+                    cfg.eval_every > 0 and step % cfg.eval_every == 0
+                )
+                # NOTE [The step's verdict on the device]: which steps read their own row at once
+                urgent = (
+                    step == 1
+                    or step % cfg.log_every == 0
+                    or is_eval
+                    or (cfg.save_every > 0 and step % cfg.save_every == 0)
+                    or (cfg.stop_after > 0 and step - done >= cfg.stop_after)
+                    or cfg.on_nonfinite == "stop"
+                )
+                lr = sched.get_last_lr()[0] if dsched is None else dsched.lrs[0].clone()
+                if dsched is not None:  # the device decides: skipped there, schedule included
+                    if scaler is not None:
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        opt.found_inf = votes[0].float()  # type: ignore[attr-defined]
+                        opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    dsched.step(1.0 - votes[0] if scaler is None else torch.ones_like(votes[0]))
+                bad = book.act(verdicts.push(step, row, now=urgent))
+                # this step's own verdict is known now on CPU, and on urgent steps on the device
+                bad = bad and (urgent or verdicts.lag == 0)
+                preempted = book.preempted
+                if dsched is None:
+                    if scaler is not None:
+                        scaler.step(opt)
+                        scaler.update()
+                    elif not bad:
+                        opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    if not bad:  # a skipped step leaves the schedule where it was, too
+                        sched.step()
+
+                if cfg.save_every > 0 and step % cfg.save_every == 0:
                     _save(ckpt, step, dsched)
-                ckpt.wait()  # committed (an async save too) before any rank leaves
-                if rank == 0 and preempted:
-                    _report_preemption(step, ckpt.resolve("latest"), signal_name(book.stop))
-                elif rank == 0:
-                    print(f"stopped after step {step} (--stop-after); resume with --resume latest")
-                break
+                stopped = preempted or (
+                    cfg.stop_after > 0 and step - done >= cfg.stop_after and step < cfg.max_steps
+                )
+                if bad or not (step == 1 or step % cfg.log_every == 0 or is_eval or stopped):
+                    if bar is not None:
+                        bar.update(1)
+                else:
+                    # Logged step: a few tiny collectives, on every rank.
+                    book.act(verdicts.flush())  # a stop found a step late: this step's row too
+                    lr, grad_norm = float(lr), book.grad_norm
+                    # fixed order: each step's loss is the same global figure on every rank already
+                    mean_loss = (
+                        _global_mean(losses)
+                        if fixed is None
+                        else sum(losses) / len(losses)
+                        if losses
+                        else float("nan")
+                    )
+                    losses.clear()
+                    mem = gather_memory(device)
+                    val_loss = None
+                    if is_eval:
+                        val_loss = (
+                            evaluate(model, val, device)
+                            if fixed is None
+                            else fixed.evaluate(model, val, val_count)
+                        )
+                    now = time.perf_counter()
+                    tok_s = tokens_per_step * (step - last_step) / (now - last_t)
+                    last_step, last_t = step, now
+                    first_loss = mean_loss if math.isnan(first_loss) else first_loss
+                    last_loss = mean_loss
+                    if log is not None:
+                        log.write(
+                            _record(
+                                step, mean_loss, lr, grad_norm, tok_s, now - start, mem, val_loss
+                            )
+                        )
+                    if bar is not None and not bar.disable:
+                        bar.set_postfix_str(
+                            f"loss {mean_loss:.3f} | {tok_s:,.0f} tok/s | mem {format_mem(mem)}"
+                        )
+                        bar.update(1)
+                        if val_loss is not None:
+                            bar.write(f"step {step}: val_loss {val_loss:.4f}")
+                    elif rank == 0:  # no bar on screen: a plain line per logged step
+                        line = log_line(step, cfg.max_steps, mean_loss, tok_s, format_mem(mem))
+                        print(
+                            line + ("" if val_loss is None else f" | val_loss {val_loss:.4f}"),
+                            flush=True,
+                        )
+                if stopped:  # --stop-after, or a stop signal: checkpoint, then leave
+                    if preempted and fault is not None:
+                        fault.at_preemption_save(rank)
+                    if ckpt.last_saved != step:
+                        _save(ckpt, step, dsched)
+                    ckpt.wait()  # committed (an async save too) before any rank leaves
+                    if rank == 0 and preempted:
+                        _report_preemption(step, ckpt.resolve("latest"), signal_name(book.stop))
+                    elif rank == 0:
+                        print(
+                            f"stopped after step {step} (--stop-after); resume with --resume latest"
+                        )
+                    break
+            except Exception as exc:
+                if mgr is None or isinstance(exc, (ConfigError, NonFiniteError)):
+                    raise  # not a lost rank: bad input, or --on-nonfinite stop
+                from fullshard.app.elastic_run import RUN_DIR_KEY, apply_loop_state, recover
+
+                def rebuild(m: Any) -> tuple[nn.Module, torch.optim.Optimizer, RankBuild]:
+                    new_dims = replace(dims, world=m.world, local_world=m.world)
+                    built = build_rank(
+                        cfg, new_dims, tokenizer, m.rank, m.world, device, val_tokens
+                    )
+                    return built.model, built.opt, built
+
+                newest = functools.partial(ckpt.resolve, "latest")
+                m, b, state, done_b = recover(mgr, exc, rebuild, newest)
+                rank, world = m.rank, m.world
+                model, plan, fixed, opt, sched = b.model, b.plan, b.fixed, b.opt, b.sched
+                dsched, verdicts, scaler = b.dsched, b.verdicts, b.scaler
+                val, val_count = b.val, b.val_count
+                apply_loop_state(state, sched, sampler, skipped)
+                ckpt = TrainCheckpoints(
+                    folder, model, opt, sched, sampler, keep=cfg.keep, async_save=cfg.async_save
+                )
+                if rank == 0 and log is None:  # rank 0 was lost: the log moves here
+                    run_dir = Path(mgr.store.get(RUN_DIR_KEY).decode())
+                    log = MetricsLog(run_dir / "metrics.jsonl", append=True)
+                losses.clear()  # the steps since the boundary are redone (and logged again)
+                book = StepBook(cfg, rank, scaler is None, log, losses, skipped)
+                step = done_b + 1
+                if rank == 0:
+                    print(f"elastic: {mgr.changes[-1]}", flush=True)
+                continue
+            step += 1
+        step = min(step, cfg.max_steps)
         wall = time.perf_counter() - start
         if bar is not None:
             bar.close()
@@ -480,7 +474,7 @@ def _train(
         "steps": cfg.max_steps,
         "stopped_after": step if stopped and not preempted else None,
         "preempted_after": step if preempted else None,
-        "resumed_from": done or None,
+        "resumed_from": None if joiner else done or None,  # a checkpoint read from disk
         "skipped_nonfinite": skipped,
         "start_loss": first_loss,
         "end_loss": last_loss,
@@ -488,7 +482,14 @@ def _train(
         "train_wall_s": round(wall, 2),
         "tokens_per_s": round(tokens_per_step * (step - done) / wall, 1),
         "data_state": sampler.state_dict(),
+        # torchrun's restarts of every rank (--max-restarts); --elastic's survivors keep running
+        "process_restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     }
+    if mgr is not None:  # one entry per membership change, and who is in the last one
+        summary["membership"] = mgr.changes
+        summary["pids"] = control.all_gather_objects(os.getpid())
+        summary["elastic_copy_s"] = round(mgr.snapshot_s, 3)
+        summary["elastic_copy_bytes"] = mgr.copy_bytes  # own + neighbour's, one boundary
     if emulation.is_active():
         host_syncs[str(step)] = sum(emulation.sync_counts().values())  # with the final save
         summary["host_syncs_per_step"] = host_syncs

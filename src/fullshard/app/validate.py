@@ -213,6 +213,7 @@ def _check_numbers(cfg: TrainConfig) -> None:
     for key in (
         "eval_every", "eval_batches", "warmup_steps", "sample_tokens", "top_k", "shard_size",
         "max_restarts", "save_every", "keep", "stop_after", "micro_batch_size",
+        "max_replacements",
     ):  # fmt: skip
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{_flag(key)} must be >= 0, got {getattr(cfg, key)}")
@@ -239,6 +240,8 @@ def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"--tp {cfg.tp} does not divide the {world} ranks: each data-parallel rank needs "
             f"{cfg.tp} ranks for tensor parallel; use --nproc {cfg.tp * max(1, dims.dp)}"
         )
+    if cfg.elastic:
+        _check_elastic(cfg)
     if cfg.deterministic:
         _check_deterministic(cfg, dims)
         return
@@ -252,6 +255,30 @@ def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"number of sequences per micro-batch. Use e.g. --batch-size {lower} or "
             f"{lower + per_step}."
         )
+
+
+def _check_elastic(cfg: TrainConfig) -> None:
+    """``--elastic``: what live recovery supports so far (``fullshard.elastic``)."""
+    from fullshard.app.dims import under_torchrun
+
+    if under_torchrun():
+        raise ConfigError(
+            "--elastic runs its ranks from fullshard's own launcher (it hosts the store and "
+            "starts replacements): launch with fullshard train --nproc N --elastic, not torchrun"
+        )
+    if not cfg.deterministic:
+        raise ConfigError(
+            "--elastic needs --deterministic: its global sampler and fixed micro-batches are "
+            "what a recovered step redoes at another membership"
+        )
+    for flag, on in (
+        ("--max-restarts", cfg.max_restarts > 0), ("--cpu-offload", cfg.cpu_offload),
+        ("--async-save", cfg.async_save),
+    ):  # fmt: skip
+        if on:
+            raise ConfigError(f"--elastic with {flag} is not supported: drop one of them")
+    if cfg.elastic_every < 1:
+        raise ConfigError(f"--elastic-every must be at least 1, got {cfg.elastic_every}")
 
 
 def _check_deterministic(cfg: TrainConfig, dims: ParallelDims) -> None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from fullshard.comm.desync import (
     DesyncError,
+    Interrupted,
     Position,
     debug_enabled,
     explain_failure,
@@ -172,6 +173,8 @@ class Pending:
         t0 = time.perf_counter()
         try:
             ok = timed_wait(work, self._timeout)
+        except Interrupted:
+            raise  # the membership changed: fullshard.elastic recovers, no verdict to give
         except RuntimeError as exc:  # gloo raises on timeout or on a peer that went away
             self._fail(f"failed ({str(exc).splitlines()[0][:200]})")
         if ok is False:

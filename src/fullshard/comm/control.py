@@ -30,6 +30,7 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "broadcast_tensor",
+    "ring_exchange",
     "host_barrier",
     "rank",
     "world_size",
@@ -164,3 +165,31 @@ def broadcast_tensor(
     broadcast(buf, src, group, what=what, timeout=_timeout(timeout)).wait()
     with torch.no_grad():
         t.copy_(buf)
+
+
+def ring_exchange(
+    payload: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Send this rank's bytes (a uint8 ``payload``, any length) to the next rank in rank order
+    and return the previous rank's (``fullshard.elastic``'s ring copies): the sizes first, then
+    the bytes, each as one send and one receive on ``comm_device(group)``. The waits are the
+    process group's own, bounded by its timeout (a gloo send's work never reports itself
+    complete to a poll, so ``timed_wait``'s polling under ``--elastic`` would wait out its
+    deadline; measured)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    if group is not None:  # P2P ops name global ranks
+        nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
+    device = comm_device(group)
+
+    def swap(send: torch.Tensor, recv: torch.Tensor) -> None:
+        ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    other = torch.zeros(1, dtype=torch.int64, device=device)
+    swap(torch.tensor([payload.numel()], dtype=torch.int64, device=device), other)
+    got = torch.empty(int(other.item()), dtype=torch.uint8, device=device)
+    swap(payload.to(device), got)
+    return got.cpu()

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -387,6 +388,8 @@ class Verdict:
 # -- 2. explaining a failed wait ---------------------------------------------------------------
 def explain_failure(pos: Position | None, what: str, group: dist.ProcessGroup | None) -> str:
     """Publish this rank's position in the store and collect the others' (best effort)."""
+    if interrupt is not None:  # under live recovery a failure is a lost rank: recover at once
+        return f"this rank was at {pos or what} (--elastic: not waiting for the others)"
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # no store reachable: say what we know
@@ -453,10 +456,35 @@ def fingerprint_check(
     )
 
 
+# Set by fullshard.elastic while a rank runs under live recovery: True once the launcher has
+# written a new membership. A gloo wait cannot be cut short from outside (neither the peers'
+# abort nor this rank's own wakes an async work), so under recovery host waits poll instead.
+interrupt: Any = None
+
+
+class Interrupted(FullshardError):
+    """A wait given up because the job's membership changed (``fullshard.elastic``)."""
+
+
+def _polled_wait(work: dist.Work, timeout: timedelta) -> bool:
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 5e-5
+    while not work.is_completed():
+        if interrupt is not None and interrupt():
+            raise Interrupted("the job's membership changed while this rank waited")
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 2e-3)
+    return bool(work.wait())
+
+
 def timed_wait(work: dist.Work, timeout: timedelta) -> bool:
     """``work.wait(timeout)``, or a plain ``wait()`` on a backend whose work objects take no
     timeout (torch's threaded test process group raises "with finite timeout not
     implemented"): there a hang is bounded by the process group's own timeout instead."""
+    if interrupt is not None:
+        return _polled_wait(work, timeout)
     try:
         return bool(work.wait(timeout))
     except RuntimeError as exc:
