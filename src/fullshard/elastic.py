@@ -303,12 +303,10 @@ class Manager:
         timeout_s: float = 300.0,
         every: int = 1,
         generation: int = 0,
-        device: torch.device | None = None,
     ) -> None:
         self.store, self.member, self.backend = store, member, backend
         self.timeout_s, self.every = timeout_s, max(1, every)
         self.generation = generation
-        self.device = device or torch.device("cpu")
         self.membership: Membership | None = None
         # boundary step -> pieces (own: this rank's, copy: the ring predecessor's, as bytes)
         self.own: dict[int, tuple[int, dict[str, Any]]] = {}  # step -> (generation, pieces)
@@ -338,8 +336,12 @@ class Manager:
 
     # -- membership -------------------------------------------------------------------------
 
+    def _generation(self, gen: int) -> dict[str, Any]:
+        """What the launcher wrote for generation ``gen`` (NOTE [Generations])."""
+        return dict(json.loads(self.store.get(GEN_KEY.format(gen)).decode()))
+
     def _read_generation(self, gen: int) -> Membership:
-        info = json.loads(self.store.get(GEN_KEY.format(gen)).decode())
+        info = self._generation(gen)
         if self.member not in info["members"]:
             raise Lost(f"member {self.member} is not in generation {gen}: {info['members']}")
         return Membership(
@@ -437,11 +439,11 @@ class Manager:
         t0 = time.perf_counter()
         m = self.membership
         assert m is not None, "join() first"
-        # the membership history travels with the state: a replacement rank 0 reports it all
         if optimizer.state:
             model_sd, optim_sd = get_state_dict(model, optimizer)
         else:  # before the first step: get_state_dict would create the state by stepping
             model_sd, optim_sd = model.state_dict(), {"state": {}, "param_groups": None}
+        # the membership history travels with the state: a replacement rank 0 reports it all
         pieces = pieces_of(model_sd, optim_sd, {**state, MEMBERSHIP: self.changes})
         self.own[step] = (m.generation, pieces)
         if m.world > 1:
@@ -524,5 +526,4 @@ class Manager:
         gens = gens_of(everyone)
         if not gens:
             raise Unrecoverable(f"generation {m.generation}: no participant holds any copy")
-        info = json.loads(self.store.get(GEN_KEY.format(max(gens))).decode())
-        return list(info["members"])
+        return list(self._generation(max(gens))["members"])

@@ -15,7 +15,6 @@ checkpoint on disk, and every rank exits with status 1 without a traceback.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -23,7 +22,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from fullshard.app.launch import DistInfo, leave_together, rank_device
+from fullshard.app.launch import DistInfo, leave_together, prepare_rank
 from fullshard.elastic import Aborted, Lost, Manager, Membership, abort_groups
 
 __all__ = [
@@ -44,13 +43,8 @@ def elastic_session(
 ) -> Iterator[tuple[DistInfo, Manager]]:
     """Join the current generation's process group (a replacement: the one it was started for),
     and leave it together with the others."""
-    slot = int(os.environ.get("LOCAL_RANK", "0"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    device, backend = rank_device(device_pref, backend_pref, slot, local)
-    os.environ.setdefault("FULLSHARD_TIMEOUT_S", str(timeout_s))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    mgr = Manager.from_env(backend=backend, timeout_s=timeout_s, every=every, device=device)
+    slot, device, backend = prepare_rank(device_pref, backend_pref, timeout_s)
+    mgr = Manager.from_env(backend=backend, timeout_s=timeout_s, every=every)
     m = mgr.join()
     try:
         yield DistInfo(m.rank, m.world, slot, device, backend), mgr

@@ -51,6 +51,7 @@ __all__ = [
     "init_distributed",
     "launch_local",
     "leave_together",
+    "prepare_rank",
     "rank_device",
     "rank_session",
     "resolve_backend",
@@ -412,6 +413,20 @@ def _accepts_device_id() -> bool:
     return "device_id" in inspect.signature(dist.init_process_group).parameters
 
 
+def prepare_rank(device_pref: str, backend: str, timeout_s: float) -> tuple[int, torch.device, str]:
+    """This rank's local rank, device and backend, before it joins a process group (on CUDA
+    the device is made current); a :class:`ConfigError` for a device that cannot work."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = ParallelDims.from_env(1).local_world  # under torchrun: LOCAL_WORLD_SIZE
+    device, backend = rank_device(device_pref, backend, local_rank, local_world)
+    # fullshard's own bounded waits (engine and control) get the same bound as the process
+    # group, unless the user set one (fullshard.comm.mesh.default_timeout reads it)
+    os.environ.setdefault("FULLSHARD_TIMEOUT_S", str(timeout_s))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return local_rank, device, backend
+
+
 def init_distributed(device_pref: str, timeout_s: float, backend: str = "auto") -> DistInfo:
     """Join the process group torchrun describes: NCCL (one GPU per rank), gloo on CPU, or
     gloo with ranks sharing GPUs (``backend="gloo"`` on CUDA).
@@ -422,15 +437,8 @@ def init_distributed(device_pref: str, timeout_s: float, backend: str = "auto") 
     group's watchdog), so a dead or stuck peer fails the run instead of hanging it.
     """
     rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dims = ParallelDims.from_env(1)  # under torchrun: its WORLD_SIZE and LOCAL_WORLD_SIZE
-    world_size = dims.world
-    device, backend = rank_device(device_pref, backend, local_rank, dims.local_world)
-    # fullshard's own bounded waits (engine and control) get the same bound as the process
-    # group, unless the user set one (fullshard.comm.mesh.default_timeout reads it)
-    os.environ.setdefault("FULLSHARD_TIMEOUT_S", str(timeout_s))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    world_size = ParallelDims.from_env(1).world  # under torchrun: its WORLD_SIZE
+    local_rank, device, backend = prepare_rank(device_pref, backend, timeout_s)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fullshard import ShardedGradScaler
+from fullshard.app import elastic_run
 from fullshard.app.checkpointing import TrainCheckpoints
 from fullshard.app.config import TrainConfig, to_toml
 from fullshard.app.data import (
@@ -161,9 +162,9 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> dict[str, Any]:
     tokens = load_tokens(cfg.data, tokenizer)  # a prepared folder is memory-mapped, not read
     session: Any
     if cfg.elastic:  # its launcher's store and generations (fullshard.app.elastic_run)
-        from fullshard.app.elastic_run import elastic_session
-
-        session = elastic_session(cfg.device, cfg.timeout, cfg.backend, cfg.elastic_every)
+        session = elastic_run.elastic_session(
+            cfg.device, cfg.timeout, cfg.backend, cfg.elastic_every
+        )
     else:
         session = rank_session(cfg.device, cfg.timeout, cfg.backend)
     with session as joined:
@@ -214,20 +215,16 @@ def _train(
     skipped: list[int] = []
     joiner = mgr is not None and mgr.membership.joined_now
     if joiner:  # a replacement: the run's folder, and its state from its peers (in memory)
-        from fullshard.app.elastic_run import RUN_DIR_KEY, apply_loop_state, join_restore
-
-        run_dir = Path(mgr.store.get(RUN_DIR_KEY).decode())
+        run_dir = Path(mgr.store.get(elastic_run.RUN_DIR_KEY).decode())
         folder = cfg.checkpoint_dir or str(run_dir / "checkpoints")
-        state, done = join_restore(mgr, model, opt, folder)
-        apply_loop_state(state, sched, sampler, skipped)
+        state, done = elastic_run.join_restore(mgr, model, opt, folder)
+        elastic_run.apply_loop_state(state, sched, sampler, skipped)
         resume = None
     else:
         if rank == 0:
             run_dir = make_run_dir(cfg.runs_dir, cfg.name)
             if mgr is not None:
-                from fullshard.app.elastic_run import RUN_DIR_KEY
-
-                mgr.store.set(RUN_DIR_KEY, str(run_dir))
+                mgr.store.set(elastic_run.RUN_DIR_KEY, str(run_dir))
         # every rank needs the same checkpoint folder: rank 0 named the run folder
         folder = control.broadcast_object(
             cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")
@@ -288,9 +285,8 @@ def _train(
         while step <= cfg.max_steps:
             try:
                 if mgr is not None:  # the step boundary: ring copies (fullshard.elastic)
-                    from fullshard.app.elastic_run import loop_state
-
-                    mgr.snapshot(step - 1, model, opt, loop_state(sched, sampler, skipped))
+                    state = elastic_run.loop_state(sched, sampler, skipped)
+                    mgr.snapshot(step - 1, model, opt, state)
                 if emulation.is_active():
                     if step > done + 1:
                         host_syncs[str(step - 1)] = sum(emulation.sync_counts().values())
@@ -417,7 +413,6 @@ def _train(
             except Exception as exc:
                 if mgr is None or isinstance(exc, (ConfigError, NonFiniteError)):
                     raise  # not a lost rank: bad input, or --on-nonfinite stop
-                from fullshard.app.elastic_run import RUN_DIR_KEY, apply_loop_state, recover
 
                 def rebuild(m: Any) -> tuple[nn.Module, torch.optim.Optimizer, RankBuild]:
                     new_dims = replace(dims, world=m.world, local_world=m.world)
@@ -427,17 +422,17 @@ def _train(
                     return built.model, built.opt, built
 
                 newest = functools.partial(ckpt.resolve, "latest")
-                m, b, state, done_b = recover(mgr, exc, rebuild, newest)
+                m, b, state, done_b = elastic_run.recover(mgr, exc, rebuild, newest)
                 rank, world = m.rank, m.world
                 model, plan, fixed, opt, sched = b.model, b.plan, b.fixed, b.opt, b.sched
                 dsched, verdicts, scaler = b.dsched, b.verdicts, b.scaler
                 val, val_count = b.val, b.val_count
-                apply_loop_state(state, sched, sampler, skipped)
+                elastic_run.apply_loop_state(state, sched, sampler, skipped)
                 ckpt = TrainCheckpoints(
                     folder, model, opt, sched, sampler, keep=cfg.keep, async_save=cfg.async_save
                 )
                 if rank == 0 and log is None:  # rank 0 was lost: the log moves here
-                    run_dir = Path(mgr.store.get(RUN_DIR_KEY).decode())
+                    run_dir = Path(mgr.store.get(elastic_run.RUN_DIR_KEY).decode())
                     log = MetricsLog(run_dir / "metrics.jsonl", append=True)
                 losses.clear()  # the steps since the boundary are redone (and logged again)
                 book = StepBook(cfg, rank, scaler is None, log, losses, skipped)
