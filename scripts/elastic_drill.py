@@ -1,17 +1,30 @@
-"""The ``--elastic`` drill (issue 20): a rank SIGKILLed mid-run, recovered in memory, against the
-same run restarted by torchrun from its disk checkpoint, and the steady-state cost of
-``--elastic``; every run on the same model and data, one after another on this machine.
+"""The ``--elastic`` drills (issue 20), each against the uninterrupted run, one after another on
+this machine, on the same model and data:
 
-    python scripts/elastic_drill.py [--nproc 4] [--steps 12] [--kill-step 6]
+- rank 2 SIGKILLed at ``--kill-step``, recovered in memory (a replacement joins), and the same
+  run restarted by torchrun from its disk checkpoint (saved every step) instead;
+- rank 0 killed; two failures in one run; HSDP losing a replica;
+- a node lost under two torchrun agents (``--rdzv-backend fullshard``): the other node goes on
+  at half the world until the node, started again, joins;
+- ring neighbours lost together: the job ends with a message naming the newest checkpoint;
+- the steady-state cost of ``--elastic`` (step time, memory), runs alternated with the default.
 
-Prints one line per run and saves the figures to ``--out`` (default runs/elastic_drill.json).
+    python scripts/elastic_drill.py [--nproc 4] [--steps 12] [--kill-step 6] [--model tiny]
+
+Each run's weights are compared with a one-rank uninterrupted run (``--deterministic``: the same
+bits at any world size) by the sha256 of ``fullshard convert``'s safetensors. Prints one line per
+run and saves every figure to ``--out`` (default runs/elastic_drill.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import signal
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,19 +33,101 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+for _key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "FULLSHARD_FAULT"):
+    ENV.pop(_key, None)
+
+
+def _sha(work: Path, name: str, steps: int) -> str:
+    out = work / f"{name}.safetensors"
+    ckpt = work / name / "checkpoints" / f"step_{steps:08d}"
+    cmd = [sys.executable, "-m", "fullshard.app.cli", "convert", str(ckpt), str(out)]
+    subprocess.run(cmd, env=ENV, check=True, capture_output=True)
+    return hashlib.sha256(out.read_bytes()).hexdigest()
+
+
+def _peak_mib(work: Path, name: str) -> float:
+    """The largest per-rank resident set any logged step recorded (metrics.jsonl)."""
+    peaks = [0.0]
+    for line in (work / name / "metrics.jsonl").read_text().splitlines():
+        peaks += [float(v) for v in json.loads(line)["mem_mib"]]
+    return max(peaks)
+
+
+def _row(work: Path, name: str, proc: Any, wall: float, steps: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": name, "status": proc.returncode, "wall_s": round(wall, 2)}
+    summary_file = work / name / "summary.json"
+    if summary_file.exists():
+        summary = json.loads(summary_file.read_text())
+        row.update(summary)
+        row["sha256"] = _sha(work, name, steps)
+        row["peak_rss_mib"] = _peak_mib(work, name)
+    return row
 
 
 def _train(work: Path, name: str, args: list[str], fault: str = "") -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    env["FULLSHARD_FAULT"] = fault
     cmd = [sys.executable, "-m", "fullshard.app.cli", "train", *args, "--runs-dir", str(work)]
     t0 = time.perf_counter()
+    env = {**ENV, "FULLSHARD_FAULT": fault}
     proc = subprocess.run([*cmd, "--name", name], env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
-    summary = json.loads((work / name / "summary.json").read_text())
-    return {"name": name, "wall_s": round(wall, 2), **summary}
+    row = _row(work, name, proc, time.perf_counter() - t0, int(args[args.index("--max-steps") + 1]))
+    row["stderr_tail"] = proc.stderr.strip().splitlines()[-1:] if proc.stderr else []
+    launcher = [ln for ln in proc.stderr.splitlines() if "are pids" in ln]
+    if launcher:
+        row["pids_printed"] = json.loads(launcher[0].split("are pids ")[1])
+    return row
+
+
+def _two_agents(
+    work: Path, name: str, args: list[str], kill_step: int, lose: int = 1
+) -> dict[str, Any]:
+    """Two torchrun agents of nproc/2 ranks each; node ``lose`` lost at ``kill_step`` and
+    started again (node 0's agent hosts the store: losing it ends the job)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nproc = int(args[args.index("--nproc") + 1])
+    rest = [a for i, a in enumerate(args) if a != "--nproc" and args[i - 1] != "--nproc"]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
+        str(nproc // 2), "--rdzv-backend", "fullshard", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", f"drill{os.getpid()}", "-m", "fullshard.app.cli", "train", *rest,
+        "--runs-dir", str(work), "--name", name,
+    ]  # fmt: skip
+    fault = f"node:rank={lose * nproc // 2}:step={kill_step}+hold:rank=0:step={kill_step + 3}"
+    env = {**ENV, "GLOO_SOCKET_IFNAME": "lo"}
+
+    def agent(tag: str, extra: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = (work / f"{name}-{tag}.log").open("wb")
+        return subprocess.Popen(cmd, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT)
+
+    t0 = time.perf_counter()
+    node0 = agent("node0", {"FULLSHARD_FAULT": fault})
+    time.sleep(1.0)  # node 0's agent hosts the rendezvous and the workers' store
+    node1 = agent("node1", {"FULLSHARD_FAULT": fault})
+    lost, kept = (node1, node0) if lose == 1 else (node0, node1)
+    lost.wait()
+    lost_at = time.perf_counter()
+    # node 0 hosted the store and the rendezvous: started again it would begin another job
+    restarted = agent(f"node{lose}-restarted", {}) if lose == 1 else kept
+    while kept.poll() is None and restarted.poll() is None:
+        time.sleep(0.2)
+    ended_s = time.perf_counter() - lost_at
+    for p in (kept, restarted):
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # torchrun's exit barrier, after its peer failed
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+    kept.returncode = kept.returncode or restarted.returncode
+    steps = int(args[args.index("--max-steps") + 1])
+    row = _row(work, name, kept, time.perf_counter() - t0, steps)
+    row["lost_node_status"] = lost.returncode
+    row["ended_s_after_loss"] = round(ended_s, 2)
+    said = [ln for ln in (work / f"{name}-node{1 - lose}.log").read_text().splitlines()
+            if ln.startswith("fullshard: ")]  # fmt: skip
+    row["stderr_tail"] = said[-1:]
+    return row
 
 
 def main() -> int:
@@ -41,48 +136,105 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kill-step", type=int, default=6)
     ap.add_argument("--model", default="tiny")
+    ap.add_argument("--rounds", type=int, default=2, help="steady-state pairs (A B A B ...)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated drills to run (default: all; none: only the steady-state pairs)",
+    )
     ap.add_argument("--out", default="runs/elastic_drill.json")
     a = ap.parse_args()
+    k, n = a.kill_step, a.nproc
     common = [
         "--model", a.model, "--max-steps", str(a.steps), "--batch-size", "16",
         "--micro-batch-size", "2", "--seq-len", "64", "--sample-tokens", "0", "--no-progress",
-        "--log-every", "1", "--eval-every", "0", "--deterministic", "--nproc", str(a.nproc),
-        "--timeout", "60",
+        "--log-every", "1", "--eval-every", "0", "--deterministic", "--timeout", "60",
     ]  # fmt: skip
-    kill = f"kill:rank=2:step={a.kill_step}"
-    rows = []
+    run = [*common, "--nproc", str(n)]
+    elastic = [*run, "--elastic"]
+    drills = {
+        "rank2": lambda w: _train(w, "rank2", elastic, f"kill:rank=2:step={k}"),
+        "restart": lambda w: _train(
+            w,
+            "restart",
+            [*run, "--max-restarts", "1", "--save-every", "1"],
+            f"kill:rank=2:step={k}",
+        ),  # fmt: skip
+        "rank0": lambda w: _train(w, "rank0", elastic, f"kill:rank=0:step={k}"),
+        "twice": lambda w: _train(
+            w, "twice", elastic, f"kill:rank=2:step={k // 2}+kill:rank=1:step={k + 2}"
+        ),
+        "hybrid": lambda w: _train(
+            w,
+            "hybrid",
+            [*elastic, "--strategy", "hybrid_shard", "--shard-size", str(n // 2)],
+            f"kill:rank={n // 2}:step={k}",
+        ),  # fmt: skip
+        "nodes": lambda w: _two_agents(w, "nodes", elastic, k),
+        "storehost": lambda w: _two_agents(w, "storehost", [*elastic, "--save-every", "2"], k, 0),
+        "neighbours": lambda w: _train(
+            w,
+            "neighbours",
+            [*elastic, "--save-every", "2"],
+            f"kill:rank=1:step={k}+kill:rank=2:step={k}",
+        ),  # fmt: skip
+    }
+    chosen = [] if a.only == "none" else [d for d in (a.only.split(",") if a.only else drills)]
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        # steady state: the same run with and without --elastic (every step copied)
-        rows.append(_train(work, "default", common))
-        rows.append(_train(work, "elastic", [*common, "--elastic"]))
-        # a rank lost at --kill-step: recovered in memory, or torchrun restarts every rank
-        # from the newest checkpoint (saved every step: the least it can replay)
-        rows.append(_train(work, "elastic-killed", [*common, "--elastic"], kill))
-        restart = [*common, "--max-restarts", "1", "--save-every", "1"]
-        rows.append(_train(work, "restart-killed", restart, kill))
-    base = {r["name"]: r for r in rows}
-    for r in rows:
-        extra = ""
-        if r["name"].endswith("killed"):
-            twin = base["elastic" if r["name"].startswith("elastic") else "default"]
-            r["lost_s"] = round(r["wall_s"] - twin["wall_s"], 2)
-            extra = f", {r['lost_s']:+.2f} s against the same run without the loss"
-        if r.get("membership"):
-            extra += f", recovery {r['membership'][0]['recovery_s']} s (death to step redone)"
-        if "elastic_copy_bytes" in r:
-            extra += (
-                f", ring copies {r['elastic_copy_s']} s in all, "
-                f"{r['elastic_copy_bytes'] / 2**20:.2f} MiB per rank per boundary"
-            )
+        ref = _train(work, "reference", [*common, "--nproc", "1"])
+        print(f"reference (1 rank, uninterrupted): sha256 {ref['sha256'][:16]}...", flush=True)
+        steady: dict[str, list[dict[str, Any]]] = {"default": [], "elastic": []}
+        for i in range(a.rounds):  # alternated: A B A B
+            steady["default"].append(_train(work, f"default{i}", run))
+            steady["elastic"].append(_train(work, f"elastic{i}", elastic))
+        for name in chosen:
+            rows.append(drills[name](work))
+    base_wall = statistics.median(r["wall_s"] for r in steady["default"])
+    el_wall = statistics.median(r["wall_s"] for r in steady["elastic"])
+    for kind, runs in steady.items():
         print(
-            f"{r['name']}: {r['wall_s']} s wall, {r['train_wall_s']} s training, "
-            f"{r['tokens_per_s']} tok/s, process_restarts {r['process_restarts']}{extra}",
+            f"steady {kind}: training {statistics.median(r['train_wall_s'] for r in runs)} s, "
+            f"{statistics.median(r['tokens_per_s'] for r in runs)} tok/s, peak RSS "
+            f"{max(r['peak_rss_mib'] for r in runs)} MiB per rank"
+            + (
+                f", copies {statistics.median(r['elastic_copy_s'] for r in runs)} s in all, "
+                f"{runs[0]['elastic_copy_bytes'] / 2**20:.2f} MiB per rank per boundary"
+                if kind == "elastic"
+                else ""
+            ),
             flush=True,
         )
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"wrote {a.out}")
+    for r in rows:
+        twin = base_wall if r["name"] == "restart" else el_wall
+        r["lost_s"] = round(r["wall_s"] - twin, 2)
+        same = r.get("sha256") == ref["sha256"]
+        kept = None
+        if r.get("pids_at_start") and r.get("pids"):
+            kept = [x for x in r["pids"] if x in r["pids_at_start"]]
+        changes = "; ".join(
+            f"step {c['step']} {c['reason']} world {c['world_size']} lost {c['ranks_lost']} "
+            f"joined {c['ranks_joined']} in {c['recovery_s']} s"
+            for c in r.get("membership", [])
+        )
+        print(
+            f"{r['name']}: status {r['status']}, {r['wall_s']} s wall ({r['lost_s']:+.2f} s "
+            f"against the uninterrupted run), same bits: {same}, process_restarts "
+            f"{r.get('process_restarts')}, pids kept {kept}"
+            + (f", {changes}" if changes else "")
+            + (
+                f", ended {r['ended_s_after_loss']} s after the loss"
+                if r["status"] and "ended_s_after_loss" in r
+                else ""
+            )
+            + (f" | {r['stderr_tail'][0]}" if r["status"] != 0 and r.get("stderr_tail") else ""),
+            flush=True,
+        )
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"reference": ref, "steady": steady, "drills": rows}, indent=2))
+    print(f"wrote {out}")
     return 0
 
 

@@ -20,9 +20,10 @@ import pytest
 import torch
 from test_app_cli import converted, train_on_ranks
 
-from fullshard.app import supervisor
+from fullshard.app import elastic_launch
 from fullshard.app.cli import main
-from fullshard.elastic import Unrecoverable, choose_boundary, merge_pieces
+from fullshard.elastic import Joiner, Unrecoverable, choose_boundary, decide, merge_pieces
+from fullshard.elastic.membership import Decision
 
 COMMON = [
     "--model", "tiny", "--max-steps", "8", "--batch-size", "16", "--micro-batch-size", "2",
@@ -31,21 +32,53 @@ COMMON = [
 ]  # fmt: skip
 
 
-def _held(own: dict[int, list[int]], copy: dict[int, list[int]]) -> dict[str, Any]:
+def _held(own: dict[int, str], copy: dict[int, str]) -> dict[str, Any]:
     return {"own": own, "copy": copy}
 
 
 @pytest.mark.fast
-def test_the_newest_boundary_every_member_of_which_a_participant_holds() -> None:
-    # four ranks, rank 2 lost: its copy is on rank 3 (the next in the ring), at steps 4 and 5
-    held = {m: _held({m: [4, 5]}, {(m - 1) % 4: [4, 5]}) for m in (0, 1, 3)}
-    assert choose_boundary([0, 1, 2, 3], held) == (5, {0: 0, 1: 1, 2: 3, 3: 3})
-    # rank 3 died during boundary 5's exchange, before it received rank 2's copy: step 4
-    held[3] = _held({3: [4, 5]}, {2: [4]})
-    assert choose_boundary([0, 1, 2, 3], held) == (4, {0: 0, 1: 1, 2: 3, 3: 3})
+def test_the_newest_boundary_every_shard_of_which_a_participant_holds() -> None:
+    # four ranks (generation 0), rank 2 lost: its copy is on rank 3 (the next in the ring)
+    held = {m: _held({4: f"0:{m}", 5: f"0:{m}"}, {4: f"0:{(m - 1) % 4}"}) for m in (0, 1, 3)}
+    # boundary 5's copies were not sent yet (a step later): 4 is the newest held in full
+    assert choose_boundary(held, {0: 4}) == (4, {"0:0": 0, "0:1": 1, "0:3": 3, "0:2": 3})
+    held[3]["copy"] = {}  # rank 3 died in boundary 4's exchange, before it received 2's copy
+    assert choose_boundary(held, {0: 4}) is None
     # ranks 1 and 2 lost together: rank 1's copy was on rank 2
-    held = {m: _held({m: [5]}, {(m - 1) % 4: [5]}) for m in (0, 3)}
-    assert choose_boundary([0, 1, 2, 3], held) is None
+    held = {m: _held({5: f"0:{m}"}, {5: f"0:{(m - 1) % 4}"}) for m in (0, 3)}
+    assert choose_boundary(held, {0: 4}) is None
+    # HSDP, two replicas of two shards (keys rank % 2): rank 2 lost, rank 0 holds shard 0
+    held = {m: _held({5: f"1:{m % 2}"}, {}) for m in (0, 1, 3)}
+    assert choose_boundary(held, {1: 2}) == (5, {"1:0": 0, "1:1": 1})
+
+
+def _alive_of(old: list[int], dead: set[int]) -> list[int]:
+    return [m for m in old if m not in dead]
+
+
+def _power_of_two(world: int) -> bool:
+    return world & (world - 1) == 0
+
+
+@pytest.mark.fast
+def test_the_next_membership_keeps_slots_fills_them_and_shrinks_to_a_world_the_job_takes() -> None:
+    old = [0, 1, 2, 3]
+    every = lambda kept: True  # noqa: E731
+    # rank 2 lost, its replacement 7 waiting: it takes rank 2's slot
+    d = decide(old, _alive_of(old, {2}), [Joiner(7, replaces=2)], _power_of_two, every)
+    assert d == Decision([0, 1, 7, 3], lost=[2], joined=[2], left=[])
+    # a node (ranks 2, 3) lost, nobody waiting: the two survivors go on at world 2
+    d = decide(old, _alive_of(old, {2, 3}), [], _power_of_two, every)
+    assert d == Decision([0, 1], lost=[2, 3], joined=[], left=[])
+    # one lost, none waiting: three cannot run, so one survivor is left out; the highest rank
+    # whose shards the others also hold (rank 3 holds rank 2's copy: rank 1 goes)
+    holds_all = lambda kept: 3 in kept  # noqa: E731
+    d = decide(old, _alive_of(old, {2}), [], _power_of_two, holds_all)
+    assert d == Decision([0, 3], lost=[2], joined=[], left=[1])
+    # joiners fill the world after the survivors, in the order they asked
+    d = decide([0, 1], [0, 1], [Joiner(5), Joiner(6), Joiner(8)], _power_of_two, every)
+    assert d == Decision([0, 1, 5, 6], lost=[], joined=[2, 3], left=[])
+    assert decide(old, [], [], _power_of_two, every) is None
 
 
 def _pieces(box: tuple[int, int], full: torch.Tensor, step: torch.Tensor) -> dict[str, Any]:
@@ -76,6 +109,44 @@ def test_shards_of_any_layout_reassemble_into_the_full_state() -> None:
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_copy_off_the_device_blocks_no_host_and_the_next_update_waits_for_it(
+    ordered: bool,
+) -> None:
+    """The CUDA path's copies (NOTE [Ring copies]) checked on CPU: async into pinned memory on a
+    side stream, read on the host only through their event, with no host synchronisation; the
+    optimizer's update, which overwrites what they read, ordered after them (else an error)."""
+    from fullshard.comm import device as comm_device
+    from fullshard.elastic.pieces import HostCopy, pieces_of, to_bytes, update_after_copies
+    from fullshard.testing import emulation
+
+    cpu = torch.device("cpu")
+    with emulation.cuda_emulation(all_device=True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        emulation.reset_sync_counts()
+        stream = comm_device.new_stream(cpu, "copy")
+        pieces, event = pieces_of(model.state_dict(), opt.state_dict(), {}, cpu, stream)
+        copy = HostCopy(0, "0:0", pieces, event)
+        if ordered:
+            update_after_copies(opt, lambda: copy.event, cpu)
+        model(torch.ones(2, 4)).sum().backward()
+        if not ordered:
+            with pytest.raises(emulation.StreamOrderError, match="on stream 'copy' read"):
+                opt.step()
+            return
+        opt.step()
+        assert to_bytes(copy.ready()).numel() > 0
+        assert emulation.sync_counts() == {}
+    got = copy.pieces["fulls"]["model\0weight"]
+    assert not torch.equal(got, model.weight.detach())  # the copy holds the weights before
+
+
+@pytest.mark.fast
 def test_elastic_needs_deterministic_and_its_own_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
@@ -88,18 +159,41 @@ def _sha(ckpt: Path, out: Path) -> str:
     return hashlib.sha256(out.read_bytes()).hexdigest()
 
 
-def _elastic(argv: list[str], monkeypatch: pytest.MonkeyPatch, fault: str) -> int:
+def _elastic(argv: list[str], monkeypatch: pytest.MonkeyPatch, fault: str, nproc: int = 4) -> int:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("FULLSHARD_FAULT", fault)
-    bounded = functools.partial(supervisor.launch_elastic, timeout_s=240)
-    monkeypatch.setattr(supervisor, "launch_elastic", bounded)
-    return main(["train", *COMMON, "--nproc", "4", "--elastic", "--timeout", "60", *argv])
+    bounded = functools.partial(elastic_launch.launch_elastic, timeout_s=240)
+    monkeypatch.setattr(elastic_launch, "launch_elastic", bounded)
+    return main(["train", *COMMON, "--nproc", str(nproc), "--elastic", "--timeout", "60", *argv])
+
+
+def uninterrupted_sha(tmp: Path) -> str:
+    """The weights' sha256 after the uninterrupted run on one rank (--deterministic: the same
+    bits at any world size)."""
+    # (a forkserver started by an earlier launch may hold a fault: cleared here)
+    ok = train_on_ranks([*COMMON, "--runs-dir", str(tmp), "--name", "one"], world=1,
+                        env={"FULLSHARD_FAULT": ""})  # fmt: skip
+    assert [r["status"] for r in ok] == [0]
+    return _sha(tmp / "one" / "checkpoints" / "step_00000008", tmp / "one.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference_sha(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return uninterrupted_sha(tmp_path_factory.mktemp("one"))
+
+
+def _changes(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    keys = ("step", "reason", "world_size", "ranks_lost", "ranks_joined", "ranks_left")
+    return [{k: c[k] for k in keys} for c in summary["membership"]]
 
 
 @pytest.mark.e2e
 def test_two_lost_ranks_are_replaced_in_memory_and_the_weights_are_the_same_bits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    reference_sha: str,
 ) -> None:
     run = ["--runs-dir", str(tmp_path), "--name", "elastic"]
     assert _elastic(run, monkeypatch, "kill:rank=2:step=3+kill:rank=0:step=6") == 0
@@ -107,26 +201,64 @@ def test_two_lost_ranks_are_replaced_in_memory_and_the_weights_are_the_same_bits
     before = json.loads(re.search(r"ranks 0-3 are pids (\[.*\])", err).group(1))  # type: ignore[union-attr]
     summary = json.loads((tmp_path / "elastic" / "summary.json").read_text())
     assert summary["process_restarts"] == 0 and summary["resumed_from"] is None
-    changes = [{k: c[k] for k in ("step", "world_size", "ranks_lost", "ranks_joined")}
-               for c in summary["membership"]]  # fmt: skip
-    assert changes == [
-        {"step": 3, "world_size": 4, "ranks_lost": [2], "ranks_joined": [2]},
-        {"step": 6, "world_size": 4, "ranks_lost": [0], "ranks_joined": [0]},
+    # each loss replays from the newest boundary whose copies were sent (a step before it)
+    lost = {"reason": "loss", "world_size": 4, "ranks_left": []}
+    assert _changes(summary) == [
+        {"step": 2, **lost, "ranks_lost": [2], "ranks_joined": [2]},
+        {"step": 5, **lost, "ranks_lost": [0], "ranks_joined": [0]},
     ]
+    assert summary["pids_at_start"] == before
     after = summary["pids"]  # the survivors kept their processes; the lost slots are new ones
     assert [after[r] == before[r] for r in range(4)] == [False, True, False, True]
-    # the uninterrupted run, on one rank (--deterministic: the same bits at any world size)
-    # (the forkserver's environment, from the launch above, has the fault: cleared here)
-    reference = [*COMMON, "--runs-dir", str(tmp_path), "--name", "one"]
-    ok = train_on_ranks(reference, world=1, env={"FULLSHARD_FAULT": ""})
+    ckpt = tmp_path / "elastic" / "checkpoints" / "step_00000008"
+    assert _sha(ckpt, tmp_path / "elastic.safetensors") == reference_sha
+
+
+@pytest.mark.e2e
+def test_under_hsdp_a_lost_replica_is_rebuilt_from_the_other_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference_sha: str
+) -> None:
+    # two replicas of a shard group of two: rank 2 holds what rank 0 holds, nothing is sent
+    run = ["--runs-dir", str(tmp_path), "--name", "hsdp", "--strategy", "hybrid_shard",
+           "--shard-size", "2"]  # fmt: skip
+    assert _elastic(run, monkeypatch, "kill:rank=2:step=4") == 0
+    summary = json.loads((tmp_path / "hsdp" / "summary.json").read_text())
+    # the newest boundary (3) is held in full by the survivors themselves: no step replayed
+    assert _changes(summary) == [
+        {"step": 4, "reason": "loss", "world_size": 4, "ranks_lost": [2], "ranks_joined": [2],
+         "ranks_left": []},
+    ]  # fmt: skip
+    ckpt = tmp_path / "hsdp" / "checkpoints" / "step_00000008"
+    assert _sha(ckpt, tmp_path / "hsdp.safetensors") == reference_sha
+
+
+@pytest.mark.e2e
+def test_the_cuda_path_recovers_with_no_ordering_error_and_no_host_sync_in_a_quiet_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole run on the CUDA code path, checked on CPU (fullshard.testing.cuda_emulation):
+    copies on a side stream into pinned memory, the optimizer's update and the next gathers
+    ordered after them, the exchange a step later; a lost rank recovered."""
+    quiet = ["--log-every", "100"]
+    monkeypatch.setenv("FULLSHARD_CUDA_EMULATION", "1")
+    run = ["--runs-dir", str(tmp_path), "--name", "cuda", *quiet]
+    assert _elastic(run, monkeypatch, "kill:rank=1:step=4", nproc=2) == 0
+    summary = json.loads((tmp_path / "cuda" / "summary.json").read_text())
+    assert [c["step"] for c in summary["membership"]] == [3]  # step 3 replayed
+    syncs = summary["host_syncs_per_step"]
+    # 1: lazy init; 2: the step the loss interrupted, and recovery; 8: evaluation and save
+    assert {s: n for s, n in syncs.items() if s not in ("1", "2", "8")} == dict.fromkeys(
+        "34567", 0
+    ), syncs
+    # the CUDA path's own bits (fused AdamW), uninterrupted, on one rank
+    ok = train_on_ranks([*COMMON, *quiet, "--runs-dir", str(tmp_path), "--name", "one"], world=1,
+                        env={"FULLSHARD_FAULT": "", "FULLSHARD_CUDA_EMULATION": "1"})  # fmt: skip
     assert [r["status"] for r in ok] == [0]
-    shas = {
-        name: _sha(
-            tmp_path / name / "checkpoints" / "step_00000008", tmp_path / f"{name}.safetensors"
-        )
-        for name in ("one", "elastic")
-    }
-    assert shas["elastic"] == shas["one"], shas
+    shas = [
+        _sha(tmp_path / name / "checkpoints" / "step_00000008", tmp_path / f"{name}.safetensors")
+        for name in ("cuda", "one")
+    ]
+    assert shas[0] == shas[1]
 
 
 @pytest.mark.e2e

@@ -269,7 +269,7 @@ def _train(args: argparse.Namespace) -> int:
         # (a prefix of its --nproc-per-node), and the ranks need no config file.
         flags = to_flags(cfg, exclude=("nproc", "max_restarts"))
         if cfg.elastic:
-            from fullshard.app.supervisor import launch_elastic
+            from fullshard.app.elastic_launch import launch_elastic
 
             return launch_elastic(
                 cfg.nproc, ["train", *flags], max_replacements=cfg.max_replacements

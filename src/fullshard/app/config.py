@@ -234,20 +234,23 @@ class TrainConfig:
     )
     elastic: bool = _opt(
         False,
-        "live recovery: when a rank's process dies, the others keep running, take a "
-        "replacement in its place and rebuild its shards from their ring neighbours' copies in "
-        "memory, then redo the step (fullshard.elastic; needs --deterministic and --nproc)",
+        "live recovery: when a rank's process (or node) dies, the others keep running, rebuild "
+        "its shards in memory from their copies (a ring neighbour's, or another replica's under "
+        "HSDP), reshard to the new world and replay the steps since; a replacement, or a "
+        "restarted node, joins at a step boundary (fullshard.elastic; needs --deterministic; "
+        "--nproc N, or torchrun --rdzv-backend fullshard)",
         group="launch",
     )
     elastic_every: int = _opt(
         1,
-        "--elastic: copy the shards to the ring neighbour every this many steps (recovery "
-        "replays the steps since)",
+        "--elastic: copy the shards to host memory every this many steps, and send each copy "
+        "to the ring neighbour at the next (recovery replays the steps since)",
         group="launch",
     )
     max_replacements: int = _opt(
         2,
-        "--elastic: replacement processes to start in all; one loss more ends the job",
+        "--elastic --nproc: replacement processes to start in all; after that the others go on "
+        "at a smaller world where the job can run at one",
         group="launch",
     )
     nproc: int = _opt(

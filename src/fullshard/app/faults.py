@@ -3,7 +3,11 @@
 ``FULLSHARD_FAULT="KIND:rank=R:step=S"`` makes rank R misbehave at the start of step S:
 
 - ``kill``: the process SIGKILLs itself (as if killed, or out of memory);
+- ``node``: the process SIGKILLs its launcher's agent, the agent's other workers and itself, at
+  once (its node lost; for runs under torchrun, one agent per node);
 - ``hang``: the process stops in a sleep longer than any timeout (a stuck rank);
+- ``hold``: the process waits until a new process asks to join the job (``--elastic``; at most
+  the process group's timeout), so that a drill's restarted node joins before the run ends;
 - ``nan``: the rank's loss becomes NaN for that step (a numerical blow-up on one rank);
 - ``signal``: the rank sends itself a stop signal (``sig=TERM`` or ``sig=USR1``, default TERM)
   as step S starts, as if preempted there; with ``repeat=2`` it sends the same signal again as
@@ -17,9 +21,11 @@ under ``torchrun --max-restarts`` can show its recovery, and only in the first p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +35,7 @@ from fullshard.policies import FullshardError
 
 __all__ = ["Fault", "Faults", "NonFiniteError", "agree_step", "fault_from_env"]
 
-KINDS = ("kill", "hang", "nan", "signal")
+KINDS = ("kill", "node", "hang", "hold", "nan", "signal")
 
 
 class NonFiniteError(FullshardError):
@@ -48,15 +54,24 @@ class Fault:
         print(f"[fault] rank {rank} sends itself {self.sig.name} {when}", flush=True)
         os.kill(os.getpid(), self.sig)
 
-    def at_step(self, step: int, rank: int) -> bool:
-        """Apply the fault if it is due; returns True when the loss must become NaN."""
+    def at_step(self, step: int, rank: int, joining: Callable[[], bool] | None = None) -> bool:
+        """Apply the fault if it is due; returns True when the loss must become NaN.
+        ``joining``: whether a process waits to join the job (for ``hold``)."""
         if step != self.step or rank != self.rank:
             return False
+        if self.kind == "hold" and joining is not None:
+            print(f"[fault] rank {rank} holds step {step} until a process asks to join", flush=True)
+            deadline = time.monotonic() + float(os.environ.get("FULLSHARD_TIMEOUT_S", "300"))
+            while not joining() and time.monotonic() < deadline:
+                time.sleep(0.05)
         if self.kind == "signal":
             self._send(rank, f"at step {step}")
         if self.kind == "kill":
             print(f"[fault] rank {rank} killed at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "node":
+            print(f"[fault] rank {rank} takes its node down at step {step}", flush=True)
+            _kill_node()
         if self.kind == "hang":
             print(f"[fault] rank {rank} hangs at step {step}", flush=True)
             time.sleep(10**6)
@@ -74,8 +89,8 @@ class Faults:
 
     faults: tuple[Fault, ...]
 
-    def at_step(self, step: int, rank: int) -> bool:
-        poisons = [f.at_step(step, rank) for f in self.faults]
+    def at_step(self, step: int, rank: int, joining: Callable[[], bool] | None = None) -> bool:
+        poisons = [f.at_step(step, rank, joining) for f in self.faults]
         return any(poisons)
 
     def at_preemption_save(self, rank: int) -> None:
@@ -83,11 +98,30 @@ class Faults:
             f.at_preemption_save(rank)
 
 
+def _kill_node() -> None:
+    """SIGKILL this process's parent (its node's agent), the parent's other children and this
+    process: every process of the node at once (Linux: read from /proc)."""
+    agent, me = os.getppid(), os.getpid()
+    siblings = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in (agent, me):
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == agent:
+                siblings.append(int(entry))
+    for pid in (agent, *siblings, me):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def fault_from_env() -> Fault | Faults | None:
     spec = os.environ.get("FULLSHARD_FAULT", "")
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
-    if os.environ.get("FULLSHARD_ELASTIC_GENERATION"):  # an --elastic replacement
+    if os.environ.get("FULLSHARD_ELASTIC_JOIN"):  # an --elastic replacement
         return None
     faults = tuple(_parse(part) for part in spec.split("+"))
     return faults[0] if len(faults) == 1 else Faults(faults)

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -162,9 +161,7 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> dict[str, Any]:
     tokens = load_tokens(cfg.data, tokenizer)  # a prepared folder is memory-mapped, not read
     session: Any
     if cfg.elastic:  # its launcher's store and generations (fullshard.app.elastic_run)
-        session = elastic_run.elastic_session(
-            cfg.device, cfg.timeout, cfg.backend, cfg.elastic_every
-        )
+        session = elastic_run.elastic_session(cfg, dims)
     else:
         session = rank_session(cfg.device, cfg.timeout, cfg.backend)
     with session as joined:
@@ -185,6 +182,8 @@ def _train(
     mgr: Any = None,  # fullshard.elastic.Manager under --elastic
 ) -> dict[str, Any]:
     rank, world, device = info.rank, info.world_size, info.device
+    if mgr is not None:  # the membership this process joined sets the world
+        dims = elastic_run.dims_at(dims, world)
     if device.type == "cpu":
         torch.set_num_threads(cfg.threads)
     micro = cfg.micro_batch(dims.dp)
@@ -215,16 +214,19 @@ def _train(
     skipped: list[int] = []
     joiner = mgr is not None and mgr.membership.joined_now
     if joiner:  # a replacement: the run's folder, and its state from its peers (in memory)
-        run_dir = Path(mgr.store.get(elastic_run.RUN_DIR_KEY).decode())
+        run_dir = Path(mgr.jobs.note(elastic_run.RUN_DIR))
         folder = cfg.checkpoint_dir or str(run_dir / "checkpoints")
         state, done = elastic_run.join_restore(mgr, model, opt, folder)
-        elastic_run.apply_loop_state(state, sched, sampler, skipped)
+        elastic_run.apply_loop_state(state, sched, sampler, skipped, dsched)
         resume = None
     else:
+        if mgr is not None:  # generation 0's processes, for summary.json
+            pids = control.all_gather_objects(os.getpid())
         if rank == 0:
             run_dir = make_run_dir(cfg.runs_dir, cfg.name)
             if mgr is not None:
-                mgr.store.set(elastic_run.RUN_DIR_KEY, str(run_dir))
+                mgr.jobs.set_note(elastic_run.RUN_DIR, str(run_dir))
+                mgr.jobs.set_note("pids_at_start", json.dumps(pids))
         # every rank needs the same checkpoint folder: rank 0 named the run folder
         folder = control.broadcast_object(
             cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")
@@ -285,13 +287,14 @@ def _train(
         while step <= cfg.max_steps:
             try:
                 if mgr is not None:  # the step boundary: ring copies (fullshard.elastic)
-                    state = elastic_run.loop_state(sched, sampler, skipped)
+                    state = elastic_run.loop_state(sched, sampler, skipped, dsched)
                     mgr.snapshot(step - 1, model, opt, state)
                 if emulation.is_active():
                     if step > done + 1:
                         host_syncs[str(step - 1)] = sum(emulation.sync_counts().values())
                     emulation.reset_sync_counts()
-                poison = fault.at_step(step, rank) if fault is not None else False
+                joining = None if mgr is None else mgr.join_waiting
+                poison = fault.at_step(step, rank, joining) if fault is not None else False
                 # The step's figures (loss, gradient norm, votes) stay on the device until the
                 # step's one read below: no per-micro-batch float(loss) stalls the host.
                 if fixed is not None:  # every micro-batch reduces, in the fixed tree
@@ -415,7 +418,7 @@ def _train(
                     raise  # not a lost rank: bad input, or --on-nonfinite stop
 
                 def rebuild(m: Any) -> tuple[nn.Module, torch.optim.Optimizer, RankBuild]:
-                    new_dims = replace(dims, world=m.world, local_world=m.world)
+                    new_dims = elastic_run.dims_at(dims, m.world)
                     built = build_rank(
                         cfg, new_dims, tokenizer, m.rank, m.world, device, val_tokens
                     )
@@ -427,16 +430,20 @@ def _train(
                 model, plan, fixed, opt, sched = b.model, b.plan, b.fixed, b.opt, b.sched
                 dsched, verdicts, scaler = b.dsched, b.verdicts, b.scaler
                 val, val_count = b.val, b.val_count
-                elastic_run.apply_loop_state(state, sched, sampler, skipped)
+                elastic_run.apply_loop_state(state, sched, sampler, skipped, dsched)
                 ckpt = TrainCheckpoints(
                     folder, model, opt, sched, sampler, keep=cfg.keep, async_save=cfg.async_save
                 )
                 if rank == 0 and log is None:  # rank 0 was lost: the log moves here
-                    run_dir = Path(mgr.store.get(elastic_run.RUN_DIR_KEY).decode())
+                    run_dir = Path(mgr.jobs.note(elastic_run.RUN_DIR))
                     log = MetricsLog(run_dir / "metrics.jsonl", append=True)
+                elif rank != 0 and log is not None:  # no longer rank 0 (left out, back later)
+                    log.close()
+                    log = None
                 losses.clear()  # the steps since the boundary are redone (and logged again)
                 book = StepBook(cfg, rank, scaler is None, log, losses, skipped)
                 step = done_b + 1
+                last_step, last_t = done_b, time.perf_counter()
                 if rank == 0:
                     print(f"elastic: {mgr.changes[-1]}", flush=True)
                 continue
@@ -482,6 +489,7 @@ def _train(
     }
     if mgr is not None:  # one entry per membership change, and who is in the last one
         summary["membership"] = mgr.changes
+        summary["pids_at_start"] = json.loads(mgr.jobs.note("pids_at_start") or "[]")
         summary["pids"] = control.all_gather_objects(os.getpid())
         summary["elastic_copy_s"] = round(mgr.snapshot_s, 3)
         summary["elastic_copy_bytes"] = mgr.copy_bytes  # own + neighbour's, one boundary

@@ -174,9 +174,9 @@ def validate_train(cfg: TrainConfig, dims: ParallelDims | int) -> None:
         raise ConfigError(
             f"tokenizer {cfg.tokenizer!r} is neither 'byte' nor a local tokenizer directory"
         )
-    _check_batch(cfg, dims)
-    if dims.hybrid:
-        _hybrid_group(dims)
+    if cfg.elastic:
+        _check_elastic(cfg)
+    check_world(cfg, dims)
     kind, name = _model_and_length(cfg.model, cfg.seq_len, "--seq-len")
     if cfg.float8:
         if cfg.tp > 1:
@@ -189,7 +189,6 @@ def validate_train(cfg: TrainConfig, dims: ParallelDims | int) -> None:
     from fullshard.app.launch import check_devices
 
     check_devices(cfg.device, cfg.backend, dims.local_world)  # no device is touched
-    _check_reshard_after_forward(cfg, dims)
     run_dir = Path(cfg.runs_dir) / cfg.name if cfg.name else Path(cfg.runs_dir)
     _writable_folder(run_dir, "--runs-dir/--name" if cfg.name else "--runs-dir")
     if cfg.checkpoint_dir is not None:
@@ -232,6 +231,16 @@ def _check_numbers(cfg: TrainConfig) -> None:
         raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
 
 
+def check_world(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """The checks that depend on the world size: the batch splits over it, the hybrid shard
+    group and ``--reshard-after-forward`` fit it (``--elastic`` asks them of every world it
+    could move to)."""
+    _check_batch(cfg, dims)
+    if dims.hybrid:
+        _hybrid_group(dims)
+    _check_reshard_after_forward(cfg, dims)
+
+
 def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
     """``--tp`` divides the world, and the global batch divides into whole micro-batches."""
     world = dims.world
@@ -240,8 +249,6 @@ def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"--tp {cfg.tp} does not divide the {world} ranks: each data-parallel rank needs "
             f"{cfg.tp} ranks for tensor parallel; use --nproc {cfg.tp * max(1, dims.dp)}"
         )
-    if cfg.elastic:
-        _check_elastic(cfg)
     if cfg.deterministic:
         _check_deterministic(cfg, dims)
         return
@@ -260,11 +267,14 @@ def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
 def _check_elastic(cfg: TrainConfig) -> None:
     """``--elastic``: what live recovery supports so far (``fullshard.elastic``)."""
     from fullshard.app.dims import under_torchrun
+    from fullshard.app.elastic_launch import RDZV_ENV
 
-    if under_torchrun():
+    if under_torchrun() and not os.environ.get(RDZV_ENV):
         raise ConfigError(
-            "--elastic runs its ranks from fullshard's own launcher (it hosts the store and "
-            "starts replacements): launch with fullshard train --nproc N --elastic, not torchrun"
+            "--elastic under torchrun needs fullshard's rendezvous, --rdzv-backend fullshard "
+            "(torchrun's own restarts every worker when a node joins): torchrun --nnodes MIN:MAX "
+            "--rdzv-backend fullshard --rdzv-endpoint HOST:PORT ..., or fullshard train --nproc N "
+            "--elastic on one machine"
         )
     if not cfg.deterministic:
         raise ConfigError(

@@ -26,6 +26,7 @@ from typing import Any, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
+from fullshard.comm import desync
 from fullshard.comm.desync import (
     DesyncError,
     Interrupted,
@@ -236,7 +237,11 @@ def _issue(
             reads if reads is not None else [tensor],
             writes if writes is not None else [tensor],
         )
-        work = emulation.emulated_collective(outs, ins, name=what, work=work)  # type: ignore[assignment]
+        # under live recovery a wait gives up when the membership changes (EmulatedWork.wait)
+        abandon = desync.give_up_if_interrupted if desync.interrupt is not None else None
+        work = emulation.emulated_collective(  # type: ignore[assignment]
+            outs, ins, name=what, work=work, abandon=abandon
+        )
     return Pending(work, what, timeout, stats, unit, position, group, _host_wait(tensor, group))
 
 

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from fullshard.comm.collectives import all_gather, all_reduce, broadcast
 from fullshard.comm.device import accepted_devices, comm_device
 from fullshard.comm.mesh import default_timeout
+from fullshard.policies import FullshardError
+from fullshard.testing import emulation
 
 __all__ = [
     "all_gather_objects",
@@ -170,26 +172,32 @@ def broadcast_tensor(
 def ring_exchange(
     payload: torch.Tensor,
     group: dist.ProcessGroup | None = None,
+    *,
+    distance: int = 1,
 ) -> torch.Tensor:
-    """Send this rank's bytes (a uint8 ``payload``, any length) to the next rank in rank order
-    and return the previous rank's (``fullshard.elastic``'s ring copies): the sizes first, then
-    the bytes, each as one send and one receive on ``comm_device(group)``. The waits are the
-    process group's own, bounded by its timeout (a gloo send's work never reports itself
-    complete to a poll, so ``timed_wait``'s polling under ``--elastic`` would wait out its
-    deadline; measured)."""
+    """Send this rank's bytes (a host uint8 ``payload``, any length) to the rank ``distance``
+    ahead in rank order and return those of the rank ``distance`` behind (``fullshard.elastic``'s
+    ring copies): the size first, then the bytes, each as one send and one receive. Everything
+    stays on the host, so ``group`` must move CPU tensors (gloo). The waits are the process
+    group's own, bounded by its timeout (a gloo send's work never reports itself complete to a
+    poll, so ``timed_wait``'s polling under ``--elastic`` would wait out its deadline;
+    measured)."""
+    if "cpu" not in accepted_devices(group):
+        raise FullshardError("ring_exchange moves host bytes: give it a gloo group")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    nxt, prv = (rank + distance) % world, (rank - distance) % world
     if group is not None:  # P2P ops name global ranks
         nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
-    device = comm_device(group)
 
     def swap(send: torch.Tensor, recv: torch.Tensor) -> None:
         ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
-    other = torch.zeros(1, dtype=torch.int64, device=device)
-    swap(torch.tensor([payload.numel()], dtype=torch.int64, device=device), other)
-    got = torch.empty(int(other.item()), dtype=torch.uint8, device=device)
-    swap(payload.to(device), got)
-    return got.cpu()
+    # host memory on a GPU machine too (made from data, or marked: the CUDA emulation's
+    # all-device mode would otherwise take a plain CPU buffer for device memory)
+    other = torch.tensor([0], dtype=torch.int64)
+    swap(torch.tensor([payload.numel()], dtype=torch.int64), other)
+    got = emulation.as_host(torch.empty(int(other.item()), dtype=torch.uint8))
+    swap(emulation.as_host(payload.contiguous()), got)
+    return got

@@ -466,6 +466,12 @@ class Interrupted(FullshardError):
     """A wait given up because the job's membership changed (``fullshard.elastic``)."""
 
 
+def give_up_if_interrupted() -> None:
+    """Raise :class:`Interrupted` when the job's membership changed (no-op otherwise)."""
+    if interrupt is not None and interrupt():
+        raise Interrupted("the job's membership changed while this rank waited")
+
+
 def _polled_wait(work: dist.Work, timeout: timedelta) -> bool:
     deadline = time.monotonic() + timeout.total_seconds()
     pause = 5e-5

@@ -38,6 +38,7 @@ __all__ = [
     "current_stream",
     "new_event",
     "new_stream",
+    "synchronize",
     "use_stream",
 ]
 
@@ -154,6 +155,14 @@ def use_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
     if emulation.is_active():
         return emulation.stream(stream)
     return torch.cuda.stream(stream)
+
+
+def synchronize(device: torch.device) -> None:
+    """The host waits for everything queued on ``device`` (outside the steady state only)."""
+    if emulation.is_active():
+        emulation.synchronize()
+    elif device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def new_event() -> Any:

@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -118,6 +119,7 @@ __all__ = [
     "VirtualStream",
     "active_emulation",
     "as_device",
+    "as_host",
     "count_host_sync",
     "cuda_emulation",
     "current_stream",
@@ -164,15 +166,29 @@ class EmulatedWork:
     """A collective's handle: ``wait()`` orders the current stream after the collective."""
 
     def __init__(
-        self, emu: Emulation, done: dict[int, int], work: Any, held: list[torch.Tensor]
+        self,
+        emu: Emulation,
+        done: dict[int, int],
+        work: Any,
+        held: list[torch.Tensor],
+        abandon: Callable[[], None] | None = None,
     ) -> None:
         self._emu, self._done, self._work, self._held = emu, done, work, held
+        self._abandon = abandon
 
     def wait(self, timeout: Any = None) -> bool:
         """The stream current now waits for the collective (rule 4). With a ``timeout`` (a
-        bounded host wait, as ``work.wait(timeout)``) the host waits too, counted."""
+        bounded host wait, as ``work.wait(timeout)``) the host waits too, counted.
+
+        The real gloo handle blocks the host here, as NCCL's never does; so while it runs,
+        ``abandon`` (the issuer's) may raise to give the wait up: the test bed's stand-in for a
+        communicator aborted from another thread, which fails the waits NCCL has queued."""
         if self._work is not None:
             with self._emu.pause():  # what gloo does inside wait() is the collective's own work
+                if self._abandon is not None:
+                    while not self._work.is_completed():
+                        self._abandon()
+                        time.sleep(1e-4)
                 self._work.wait() if timeout is None else self._work.wait(timeout)
         s = self._emu.current
         merge(s._live().launch(s.tid), self._done)
@@ -192,6 +208,7 @@ def emulated_collective(
     *,
     name: str = "collective",
     work: Any = None,
+    abandon: Callable[[], None] | None = None,
 ) -> EmulatedWork:
     """Model an async collective issued now on the current stream, which reads ``inputs`` and
     writes ``outputs`` (an in-place one lists its tensor in both).
@@ -202,8 +219,8 @@ def emulated_collective(
     allocated on compute and read by a collective on a side stream may be freed only once
     compute is ordered after it (NOTE [Streams and buffer lifetimes] rule 3). Its tensors are
     device tensors. ``work``, the real (gloo) handle, is waited for in ``wait()``, untracked;
-    the real c10d op is not tracked either. Outside an emulation, returns ``work`` wrapped so
-    that ``wait()`` just waits for it."""
+    the real c10d op is not tracked either (``abandon``: see ``EmulatedWork.wait``). Outside an
+    emulation, returns ``work`` wrapped so that ``wait()`` just waits for it."""
     emu = core.active()
     if emu is None:
         return _PassThroughWork(work)
@@ -217,7 +234,7 @@ def emulated_collective(
         if emu.kind(t) == HOST_MEMORY:
             emu.mark(t, DEVICE)
     emu.access(name, tid, inputs, outputs)
-    return EmulatedWork(emu, dict(emu.clocks[tid]), work, [*inputs, *outputs])
+    return EmulatedWork(emu, dict(emu.clocks[tid]), work, [*inputs, *outputs], abandon)
 
 
 class _PassThroughWork(EmulatedWork):
@@ -237,6 +254,16 @@ def as_device(t: torch.Tensor) -> torch.Tensor:
     emu = core.active()
     if emu is not None:
         emu.mark(t, DEVICE)
+    return t
+
+
+def as_host(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t``'s storage as host (pageable) memory: on a GPU machine a CPU tensor of the
+    host's own (a gloo group's host buffers, bytes from ``torch.frombuffer``), which the
+    all-device mode would otherwise take for device memory; returns ``t`` (no-op outside)."""
+    emu = core.active()
+    if emu is not None:
+        emu.mark(t, HOST_MEMORY)
     return t
 
 

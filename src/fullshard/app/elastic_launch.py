@@ -1,0 +1,274 @@
+"""How an elastic job's processes start (``fullshard train --elastic``): on one machine from
+fullshard's own launcher (:func:`launch_elastic`), or under torchrun agents, one per node, with
+``--rdzv-backend fullshard`` (:class:`FullshardRendezvous`). Either way the job's c10d store
+outlives any one rank, and the ranks decide each membership themselves (NOTE [Generations] in
+``fullshard.elastic.membership``).
+
+**fullshard train --nproc N --elastic.** torchrun's agent stops every worker when one fails (and
+restarts them all, with ``--max-restarts``). Under ``--elastic`` this launcher runs the ranks
+instead:
+
+- it hosts the job's c10d ``TCPStore`` (a rank's death cannot take it down), and the ranks
+  connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun's agent);
+- it forks the ranks from the forkserver of NOTE [Ranks from a forkserver] (``app/launch.py``);
+- when a rank's process exits before the job is done, it reports the exit in the store and
+  starts a replacement that asks to join in its place, at most ``max_replacements`` in all
+  (after that the others go on at a smaller world, where the job can run at one). The report
+  lets the ranks decide at once, without waiting for the dead rank's heartbeat to go quiet, and
+  tells them a replacement is on its way.
+
+It ends with 0 when every member of the newest generation finished, 2 with one message for bad
+input found on a rank, 1 when the ranks gave up (a message naming the newest checkpoint), and
+124 after ``timeout_s``.
+
+**torchrun --rdzv-backend fullshard.** torchrun's own ``c10d`` rendezvous makes every agent
+restart its healthy workers when a new node arrives (``num_nodes_waiting() > 0``), so a
+restarted node would cost every survivor its process and its state. This backend is ``c10d``'s,
+with two changes:
+
+- the first rendezvous is ``c10d``'s, unchanged (``--nnodes MIN:MAX`` nodes gather); its group
+  rank 0 records the workers' store (``MASTER_ADDR``:``MASTER_PORT``, hosted by that agent) in
+  the rendezvous store, under the run id;
+- a node that arrives after that (a restarted one, started with the same command) does not wait
+  for a new round: its agent gets the running job's worker store and a node slot, and its
+  workers start as new processes of the running job (``FULLSHARD_ELASTIC_JOIN``), which rank 0
+  admits at a step boundary. No agent ever sees a node waiting, so none restarts its workers.
+
+Every agent's view of the agents' store is one prefix of the rendezvous store, so an arriving
+agent reads the rank assignment made at the start and joins the others' exit barrier. The
+backend is registered with torchrun through the entry point group ``torchrun.handlers``
+(``pyproject.toml``); :data:`RDZV_ENV` tells a worker (validation) it runs under it. What it
+cannot survive: the loss of the node whose agent hosts the workers' store (group rank 0) or the
+rendezvous endpoint; the job then ends with a message naming the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
+
+__all__ = [
+    "LAUNCHER_ENV",
+    "RDZV_ENV",
+    "FullshardRendezvous",
+    "create_handler",
+    "launch_elastic",
+    "torchrun_handler",
+]
+
+
+LAUNCHER_ENV = "FULLSHARD_ELASTIC_LAUNCHER"  # set for its ranks: the launcher says the last word
+
+
+def launch_elastic(
+    nproc: int,
+    argv: list[str],
+    *,
+    max_replacements: int,
+    module: str = "fullshard.app.cli",
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+) -> int:
+    """Run ``python -m <module> <argv>`` on ``nproc`` local ranks that survive a lost peer
+    (see the module docstring). Call it after validating ``argv``."""
+    import torch.distributed as dist
+
+    from fullshard.app.errors import ERROR_MARKER_ENV, VALIDATED_ENV, read_error
+    from fullshard.app.launch import RANK_PRELOAD, run_rank
+    from fullshard.elastic.membership import (
+        JOIN_ENV,
+        MEMBER_ENV,
+        REPLACES_ENV,
+        JobStore,
+    )
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    jobs = JobStore(store)
+    base = dict(os.environ if env is None else env)
+    base.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    base.setdefault("OMP_NUM_THREADS", "1")
+    base.update(
+        {
+            VALIDATED_ENV: "1",
+            LAUNCHER_ENV: "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "WORLD_SIZE": str(nproc),
+        }
+    )
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    procs: dict[int, Any] = {}  # member id -> its process
+    slots: dict[int, int] = {}  # member id -> the local slot (device) it runs on
+    reported: set[int] = set()
+    replaced = 0
+
+    def start(member: int, slot: int, replaces: int | None) -> None:
+        child = {**base, MEMBER_ENV: str(member), "RANK": str(slot), "LOCAL_RANK": str(slot)}
+        if replaces is not None:
+            child.update({JOIN_ENV: "1", REPLACES_ENV: str(replaces)})
+            child["FULLSHARD_FAULT"] = ""  # a drill fires in the first process only
+        p = ctx.Process(target=run_rank, args=(child, module, list(argv)), daemon=False)
+        p.start()
+        procs[member], slots[member] = p, slot
+
+    def stop_all() -> None:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+        for p in procs.values():
+            p.join(10)
+
+    def finished() -> bool:
+        """Every process has exited, and every member of the newest generation with 0."""
+        if any(p.exitcode is None for p in procs.values()):
+            return False
+        record = jobs.generation(jobs.latest()) or {"members": list(procs)}
+        return all(procs[m].exitcode == 0 for m in record["members"] if m in procs)
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with tempfile.TemporaryDirectory(prefix="fullshard-elastic-") as tmp:
+        error = base[ERROR_MARKER_ENV] = os.path.join(tmp, "input-error.txt")
+        jobs.reserve_ids(nproc)
+        for rank in range(nproc):
+            start(rank, rank, None)
+        pids = [procs[m].pid for m in range(nproc)]
+        print(f"fullshard: --elastic ranks 0-{nproc - 1} are pids {pids}", file=sys.stderr)
+        while True:
+            time.sleep(0.05)
+            if deadline is not None and time.monotonic() > deadline:
+                stop_all()
+                print(f"fullshard: launch timed out after {timeout_s:.0f} s", file=sys.stderr)
+                return 124
+            message = read_error(error)
+            if message is not None:
+                stop_all()
+                print(f"fullshard {argv[0]}: error: {message}", file=sys.stderr)
+                return 2
+            aborted = jobs.aborted()
+            if aborted is not None:
+                time.sleep(1.0)  # the ranks read it and leave
+                stop_all()
+                print(f"fullshard: {aborted}", file=sys.stderr)
+                return 1
+            if all(p.exitcode is not None for p in procs.values()):
+                if finished():
+                    return 0
+                print("fullshard: every rank exited, some with an error", file=sys.stderr)
+                return 1
+            for member, p in list(procs.items()):
+                if p.exitcode in (None, 0) or member in reported:
+                    continue
+                reported.add(member)
+                print(
+                    f"fullshard: member {member} (pid {p.pid}) exited with status {p.exitcode}; "
+                    "the other ranks keep running",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if replaced >= max_replacements:  # the others go on without it, if they can
+                    jobs.report_exit(member, p.exitcode, None)
+                    continue
+                replaced += 1
+                new = jobs.new_member_ids(1)
+                jobs.report_exit(member, p.exitcode, new)
+                start(new, slots[member], member)
+
+
+# -- torchrun --rdzv-backend fullshard --------------------------------------------------
+RDZV_ENV = "FULLSHARD_ELASTIC_RDZV"  # set in the agent, so every worker it starts inherits it
+
+
+def torchrun_handler() -> Callable[[Any], Any]:
+    """The ``torchrun.handlers`` entry point: torchrun registers what this returns under the
+    name ``fullshard``."""
+    return create_handler
+
+
+def create_handler(params: Any) -> Any:
+    """A :class:`FullshardRendezvous` for torchrun's ``RendezvousParameters`` (the ``c10d``
+    backend's endpoint and options)."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        create_handler as create_dynamic,
+    )
+
+    backend, store = create_backend(params)
+    return FullshardRendezvous(create_dynamic(store, backend, params), store, params.run_id)
+
+
+class FullshardRendezvous(RendezvousHandler):
+    """``c10d``'s rendezvous handler, wrapped (see the module docstring)."""
+
+    def __init__(self, inner: Any, store: Any, run_id: str) -> None:
+        import torch.distributed as dist
+
+        self._inner, self._store, self._run_id = inner, store, run_id
+        self._key = f"fullshard/rdzv/{run_id}/"
+        self._agents = dist.PrefixStore(self._key + "agents/", store)
+        self._late = False
+        os.environ[RDZV_ENV] = "1"
+
+    def get_backend(self) -> str:
+        return "fullshard"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return bool(self._inner.use_agent_store)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        job = self._key + "job"
+        if self._store.check([job]):  # the job runs: this node joins it (the module docstring)
+            record = json.loads(self._store.get(job).decode())
+            world = int(record["nodes"])
+            late = int(self._store.add(self._key + "late", 1))
+            # a slot other than 0 (the agent of group rank 0 computes the rank assignment)
+            slot = world - 1 - (late - 1) % max(1, world - 1) if world > 1 else 0
+            self._late = True
+            from fullshard.elastic.membership import JOIN_ENV
+
+            os.environ[JOIN_ENV] = "1"
+            store_info = RendezvousStoreInfo(record["master_addr"], int(record["master_port"]))
+            return RendezvousInfo(self._agents, slot, world, store_info)
+        info = self._inner.next_rendezvous()
+        boot = info.bootstrap_store_info
+        if info.rank == 0 and boot is not None:
+            record = {
+                "nodes": info.world_size,
+                "master_addr": boot.master_addr,
+                "master_port": boot.master_port,
+            }
+            self._store.set(job, json.dumps(record))
+        return RendezvousInfo(self._agents, info.rank, info.world_size, boot)
+
+    def is_closed(self) -> bool:
+        return bool(self._inner.is_closed())
+
+    def set_closed(self) -> None:
+        self._inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        """Arriving nodes join the running job instead of waiting for a round: none waits, and
+        no agent restarts its workers for one."""
+        return 0
+
+    def get_run_id(self) -> str:
+        return str(self._inner.get_run_id())
+
+    def shutdown(self) -> bool:
+        return True if self._late else bool(self._inner.shutdown())

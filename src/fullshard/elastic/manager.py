@@ -1,0 +1,578 @@
+"""One rank's side of live recovery (layer 9): :class:`Manager` joins generations (NOTE
+[Generations]), keeps and exchanges a step boundary's copies (NOTE [Ring copies]), and after a
+failure or a regroup restores the newest boundary the participants hold, at the new world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fullshard.elastic.membership import (
+    DEAD_S,
+    JOIN_ENV,
+    MEMBER_ENV,
+    REPLACES_ENV,
+    JobFinished,
+    JobStore,
+    Lost,
+    Membership,
+    Watcher,
+    admission,
+    after_loss,
+)
+from fullshard.elastic.pieces import (
+    Copies,
+    HostCopy,
+    Unrecoverable,
+    choose_boundary,
+    merge_pieces,
+    nbytes,
+    pieces_of,
+    to_bytes,
+    update_after_copies,
+)
+
+__all__ = ["Aborted", "Layout", "Manager", "Regroup", "abort_groups"]
+
+MEMBERSHIP = "_fullshard_membership"  # the loop state's key for the history of changes
+
+
+class Aborted(Lost):
+    """The job was ended by the launcher or another rank (the message is theirs, said once)."""
+
+
+class Regroup(Exception):  # noqa: N818 (not an error: the leader admits new ranks)
+    """Raised on rank 0 at a step boundary after it wrote a generation that admits joiners:
+    every rank then goes through :meth:`Manager.recover`, which joins it."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a world's copies live (NOTE [Ring copies]): ``keys`` distinct shard keys (the
+    world; under HSDP the shard group, the replicas holding each other's shards), and the
+    distance to the rank that keeps this rank's copy."""
+
+    keys: int
+    ring_step: int = 1
+
+    def key(self, rank: int) -> int:
+        return rank % self.keys
+
+
+# Process groups given up by abort_groups: kept referenced, never shut down (see there).
+_ABANDONED: list[Any] = []
+
+
+def abort_groups() -> None:
+    """Abort every process group of this rank (a peer blocked in a synchronous gloo collective
+    with it fails at once), and forget them, so that a new default group can be made.
+
+    Not ``destroy_process_group``: its ``shutdown`` joins gloo's worker threads, one of which
+    may sit in a collective with the dead rank until the timeout (measured: 29 s of a 30 s
+    timeout). The groups are kept referenced instead, so that their destructors never wait
+    either; a lost generation costs its groups' memory. Safe to call when none is initialised.
+    """
+    if not dist.is_initialized():
+        return
+    c10d = dist.distributed_c10d
+    groups = list(c10d._world.pg_map.keys())
+    for pg in groups:
+        abort = getattr(pg, "abort", None)
+        if abort is not None:
+            with contextlib.suppress(RuntimeError):  # already failed or torn down
+                abort()
+    forget = (
+        getattr(c10d, "_update_default_pg", None),
+        getattr(c10d, "_unregister_all_process_groups", None),
+    )
+    if None in forget:  # an older torch: the slow way, bounded by the timeout
+        dist.destroy_process_group()
+        return
+    _ABANDONED.extend(groups)
+    c10d._update_default_pg(None)
+    for name in (
+        "pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
+        "pg_coalesce_state",
+    ):  # fmt: skip
+        table = getattr(c10d._world, name, None)
+        if table is not None:
+            table.clear()
+    c10d._unregister_all_process_groups()
+    c10d._world.group_count = 0
+
+
+@contextlib.contextmanager
+def _store_alive(address: tuple[str, int] | None) -> Iterator[None]:
+    """A store that cannot be reached ends recovery: its host is what was lost."""
+    try:
+        yield
+    except dist.DistNetworkError as exc:
+        where = "" if address is None else f" at {address[0]}:{address[1]}"
+        raise Lost(
+            f"the job's store{where} is unreachable ({_why(exc)}): its host (fullshard's "
+            "launcher, or the first node's torchrun agent) was lost"
+        ) from None
+
+
+def _why(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+
+
+class Manager:
+    """One rank's side of live recovery (see ``fullshard.elastic``).
+
+    ``store``: the job's store (hosted by a launcher, not by a rank); ``member``: this process's
+    member id; ``world``: the ranks of generation 0; ``joining``: this process joins a running
+    job (``replaces``: the member it stands in for); ``backend``: the process groups'
+    backend (the copies always travel over gloo, on the host); ``timeout_s``: how long to wait
+    for a collective and for a membership; ``every``: copy at every ``every``-th boundary;
+    ``accepts(world)``: the world sizes the job can run at; ``layout(world)``: where copies live
+    (:class:`Layout`; default every rank its own key, ring neighbours); ``device``: the model's
+    device (CUDA: copies on a side stream, NOTE [Ring copies]); ``address``: the store's
+    ``(host, port)`` for the watcher thread (default ``MASTER_ADDR``/``MASTER_PORT``).
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        member: int,
+        *,
+        world: int = 1,
+        joining: bool = False,
+        replaces: int | None = None,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        every: int = 1,
+        accepts: Callable[[int], bool] | None = None,
+        layout: Callable[[int], Layout] | None = None,
+        device: torch.device | None = None,
+        address: tuple[str, int] | None = None,
+    ) -> None:
+        self.jobs = JobStore(store)
+        self.store, self.member, self.world0 = store, member, world
+        self.joining, self.replaces = joining, replaces
+        self.backend, self.timeout_s, self.every = backend, timeout_s, max(1, every)
+        self.accepts = accepts or (lambda w: w >= 1)
+        self.layout = layout or (lambda w: Layout(w))
+        self.device = device or torch.device("cpu")
+        if address is None and "MASTER_ADDR" in os.environ:
+            address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        self.address = address
+        self.generation = -1
+        self.membership: Membership | None = None
+        self.host_group: Any = None  # gloo: the copies' and restore's group
+        self.copies = Copies()  # the boundaries this rank holds (NOTE [Ring copies])
+        self.changes: list[dict[str, Any]] = []  # one entry per membership change
+        self.snapshot_s = 0.0  # time spent copying and exchanging, all boundaries together
+        self.copy_bytes = 0  # host bytes of one boundary: this rank's copy and the one it keeps
+        self._failed_at: float | None = None
+        self._joins_seen = 0
+        self._watcher: Watcher | None = None
+        self._stream: Any = None
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> Manager:
+        """The manager of a rank started by an elastic launcher: the store at ``MASTER_ADDR``:
+        ``MASTER_PORT``; the member id ``FULLSHARD_ELASTIC_MEMBER`` (default ``RANK``, or a
+        fresh one for a process that joins a running job, ``FULLSHARD_ELASTIC_JOIN``)."""
+        timeout = timedelta(seconds=kwargs.get("timeout_s", 300.0))
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        joining = bool(os.environ.get(JOIN_ENV))
+        member = os.environ.get(MEMBER_ENV)
+        if member is None:
+            member = str(JobStore(store).new_member_ids(1) if joining else os.environ["RANK"])
+        replaces = os.environ.get(REPLACES_ENV)
+        kwargs.setdefault("world", int(os.environ.get("WORLD_SIZE", "1")))
+        return cls(
+            store,
+            int(member),
+            joining=joining,
+            replaces=None if not replaces else int(replaces),
+            **kwargs,
+        )
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def join(self) -> Membership:
+        """Join generation 0 (written by rank 0), or, for a process joining a running job,
+        the generation that admits it."""
+        with _store_alive(self.address):
+            self.jobs.beat(self.member)
+            if self.joining:
+                self.jobs.ask_join(self.member, self.replaces)
+                return self._wait_admitted(self.jobs.latest(), "asked to join")
+            if self.member == 0 and not self.jobs.has_generation(0):
+                self.jobs.reserve_ids(self.world0)
+                self.jobs.write_generation(0, {"members": list(range(self.world0))})
+            return self._enter(0, self._wait_for(0, "joining"))
+
+    def _wait_for(self, g: int, why: str) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout_s
+        while (record := self.jobs.generation(g)) is None:
+            self._check_abort()
+            if time.monotonic() > deadline:
+                raise Lost(f"{why}, and generation {g} was not written within {self._t()}")
+            time.sleep(0.02)
+        return record
+
+    def _wait_admitted(self, newest: int, why: str) -> Membership:
+        """Wait (at most the timeout) for a generation after ``newest`` that has this member."""
+        deadline = time.monotonic() + self.timeout_s
+        g = newest + 1
+        while True:
+            record = self.jobs.generation(g)
+            if record is not None and self.member in record["members"]:
+                return self._enter(g, record)
+            if record is not None:
+                g += 1
+                continue
+            self._check_abort()
+            if self.jobs.note("finished") is not None:
+                raise JobFinished(f"the job finished before member {self.member} was admitted")
+            if time.monotonic() > deadline:
+                raise Lost(f"{why}, and no generation admitted member {self.member} in {self._t()}")
+            time.sleep(0.02)
+
+    def _t(self) -> str:
+        return f"{self.timeout_s:.0f} s"
+
+    def _check_abort(self) -> None:
+        message = self.jobs.aborted()
+        if message is not None:
+            raise Aborted(message)
+
+    def _enter(self, g: int, record: dict[str, Any]) -> Membership:
+        """Join generation ``g``'s process group (a key prefix of its own)."""
+        m = Membership.of(g, record, self.member)
+        self.generation = g
+        if self.backend == "nccl":  # the watchdog aborts a failed communicator, but leaves
+            # the process alive to recover (torch's default tears it down)
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        dist.init_process_group(
+            backend=self.backend,
+            store=dist.PrefixStore(f"fullshard/elastic_{g}", self.store),
+            rank=m.rank,
+            world_size=m.world,
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+        gloo = self.backend == "gloo"
+        self.host_group = None if gloo else dist.new_group(backend="gloo")
+        self.membership = m
+        self._watch()
+        return m
+
+    def _watch(self) -> None:
+        """Start the watcher thread (once), and make host waits give up when it sees the
+        membership move on (``comm.desync.interrupt``)."""
+        from fullshard.comm import desync
+
+        if self._watcher is None and self.address is not None:
+            host, port = self.address
+            on_change = self._abort_device_groups if self.backend == "nccl" else None
+            self._watcher = Watcher(host, port, self.member, lambda: self.generation, on_change)
+        watcher = self._watcher
+        if watcher is not None:
+            desync.interrupt = lambda: watcher.changed(self.generation)
+
+    def join_waiting(self) -> bool:
+        """Whether processes wait to join that the next boundary can admit (enough of them
+        for a world the job accepts)."""
+        members = [] if self.membership is None else self.membership.members
+        exits = self.jobs.exits()
+        waiting = [
+            j for j in self.jobs.joins() if j.member not in members and j.member not in exits
+        ]
+        return admission(members, waiting, self.accepts) is not None
+
+    def close(self) -> None:
+        """Stop this rank's watcher thread (before the process exits)."""
+        from fullshard.comm import desync
+
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        desync.interrupt = None
+
+    def finish(self) -> None:
+        """The job is done (rank 0, at the end): processes still waiting to join leave."""
+        self.jobs.set_note("finished", "1")
+
+    @staticmethod
+    def _abort_device_groups() -> None:
+        """From the watcher thread, when the membership moves on (NCCL only): abort this rank's
+        NCCL communicators, so that the kernels waiting for a dead peer end now and the host's
+        next wait or read fails, instead of at the process group's timeout. (On gloo an abort
+        wakes no async work; host waits poll ``comm.desync.interrupt`` instead.) Not run on a
+        GPU yet: no device was lent."""
+        for pg in list(dist.distributed_c10d._world.pg_map):
+            if "nccl" in str(dist.get_backend(pg)).lower():
+                with contextlib.suppress(Exception):
+                    pg.abort()
+
+    def abort(self, message: str) -> None:
+        """Stop the whole job: every rank waiting for a membership reads ``message``."""
+        self.jobs.abort(message)
+
+    def recover(self, error: BaseException) -> Membership:
+        """After ``error`` in a step (or a :class:`Regroup`): abort this rank's groups (so its
+        peers fail at once too), settle the next generation with the others, and join it. A
+        process left out of it asks to join again and waits. Raises :class:`Lost` when no rank
+        was lost (the error is a failure of its own), when no membership comes within the
+        timeout, or when the job was ended."""
+        from fullshard.comm import device
+
+        regroup = isinstance(error, Regroup)
+        if not regroup and self._failed_at is None:
+            self._failed_at = time.time()
+        abort_groups()
+        # the failed step's work (an aborted collective, a prefetch) drains before the old
+        # model's buffers are freed or reused (recovery, not a steady-state step: the host waits)
+        device.synchronize(self.device)
+        target = self.generation + 1
+        with _store_alive(self.address):
+            record = self.jobs.generation(target) or self._settle(target, error)
+            if record.get("unchanged"):
+                raise Lost(
+                    "a step failed, and no rank was lost: "
+                    + "; ".join(f"rank {r}: {why}" for r, why in record["errors"])
+                )
+            if self.member in record["members"]:
+                return self._enter(target, record)
+            self.copies.clear()  # left out: its state is no one's now; it comes back as a joiner
+            self.jobs.ask_join(self.member, None)
+            return self._wait_admitted(target, "left out of the smaller world")
+
+    def _settle(self, target: int, error: BaseException) -> dict[str, Any]:
+        """Check in for generation ``target`` and wait until it is written; the survivor of
+        lowest rank writes it once every member has checked in or is dead (NOTE [Generations])."""
+        m = self.membership
+        assert m is not None, "join() first"
+        old = m.members
+        info = {"held": self.copies.held(), "error": _why(error), "failed_at": self._failed_at}
+        self.jobs.check_in(target, self.member, info)
+        start = time.monotonic()
+        seen: dict[int, tuple[int, float]] = {}  # member -> (heartbeat, when it last moved)
+        while (record := self.jobs.generation(target)) is None:
+            self._check_abort()
+            ready = {x: r for x, r in self.jobs.check_ins(target).items() if x in old}
+            exits, now = self.jobs.exits(), time.monotonic()
+            dead = {x for x in old if x in exits and x not in ready}
+            for x, beat in self.jobs.beats(x for x in old if x not in ready.keys() | dead).items():
+                if seen.get(x, (None,))[0] != beat:
+                    seen[x] = (beat, now)
+                elif now - seen[x][1] > DEAD_S:
+                    dead.add(x)
+            unsettled = [old.index(x) for x in old if x not in ready and x not in dead]
+            waiting_for = {
+                e["replacement"] for x, e in exits.items() if x in dead and e.get("replacement")
+            } - {j.member for j in self.jobs.joins()}
+            late = now - start > self.timeout_s
+            writer = not unsettled and self.member == min(ready, key=old.index)
+            if writer and (not waiting_for or late):
+                self._write(target, old, ready, exits)
+                continue
+            if late:
+                what = f"rank(s) {unsettled} neither checked in nor died" if unsettled else (
+                    f"the replacement(s) {sorted(waiting_for)} never asked to join"
+                )  # fmt: skip
+                raise Lost(f"{_why(error)}, and {what} within {self._t()} (stuck?)")
+            time.sleep(0.02)
+        return record
+
+    def _write(
+        self,
+        target: int,
+        old: list[int],
+        ready: dict[int, dict[str, Any]],
+        exits: dict[int, dict[str, Any]],
+    ) -> None:
+        """Decide generation ``target`` from the check-ins and write it (this rank is the
+        survivor of lowest rank)."""
+        joiners = [j for j in self.jobs.joins() if j.member not in old and j.member not in exits]
+        layouts = {int(g): n for r in ready.values() for g, n in r["held"]["layouts"].items()}
+
+        def covered(kept: list[int]) -> bool:
+            return choose_boundary({x: ready[x]["held"] for x in kept}, layouts) is not None
+
+        record = after_loss(old, ready, exits, joiners, self.accepts, covered)
+        if record is None:
+            raise Unrecoverable(
+                f"{len(ready)} rank(s) survive and {len(joiners)} wait to join, and the job runs "
+                f"at no world size up to {len(ready) + len(joiners)}"
+            )
+        self.jobs.write_generation(target, record)
+
+    def _admit(self) -> None:
+        """Rank 0 at a boundary whose copies are taken: admit waiting processes by writing the
+        next generation (as many as make a world the job accepts), then regroup."""
+        m, watcher = self.membership, self._watcher
+        if m is None or m.rank != 0 or watcher is None or watcher.joins <= self._joins_seen:
+            return
+        self._joins_seen = watcher.joins
+        exits = self.jobs.exits()
+        waiting = [j for j in self.jobs.joins() if j.member not in m.members + list(exits)]
+        record = admission(m.members, waiting, self.accepts)
+        if record is not None and self.jobs.write_generation(m.generation + 1, record):
+            raise Regroup(f"admitting rank(s) {record['joined']}")
+
+    # -- redundancy ---------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """True when the boundary after ``step`` steps gets copies."""
+        return step % self.every == 0
+
+    def _layout(self) -> Layout:
+        m = self.membership
+        assert m is not None, "join() first"
+        return self.layout(m.world)
+
+    def snapshot(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        """The step boundary after ``step`` steps (call on every rank before the step's first
+        collective): send the previous boundary's copy to the ring neighbour, and copy this
+        one's shards to the host. On rank 0 it may then raise :class:`Regroup` to admit
+        waiting processes."""
+        if not self.due(step) or step in self.copies.own:
+            return
+        from fullshard.checkpoint.state_dict import get_state_dict
+        from fullshard.comm import device
+
+        t0 = time.perf_counter()
+        m = self.membership
+        assert m is not None, "join() first"
+        self._send_newest()
+        if optimizer.state:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+        else:  # before the first update: what the model is built with (NOTE [Ring copies])
+            model_sd, optim_sd = {}, {"state": {}, "param_groups": None}
+        built_now = not self.copies.boxes  # the first copy of this generation's model
+        stream = None
+        if device.cuda_semantics(self.device):
+            if self._stream is None:
+                self._stream = device.new_stream(self.device, "elastic copy")
+            stream = self._stream
+            self._order_updates(optimizer)
+        # the membership history travels with the state: a new rank 0 reports it all
+        pieces, event = pieces_of(
+            model_sd, optim_sd, {**state, MEMBERSHIP: self.changes}, self.device, stream,
+            self.copies.boxes,
+        )  # fmt: skip
+        if event is not None and not built_now:
+            self._order_gathers(model, event)
+        elif event is not None:  # a model built for this generation: its first forward's lazy
+            # init writes every shard buffer's tag columns on compute, and the gathers wait for
+            # compute as usual
+            device.current_stream(self.device).wait_event(event)
+        layout = self._layout()
+        copy = HostCopy(m.generation, f"{m.generation}:{layout.key(m.rank)}", pieces, event)
+        self.copies.add_own(step, copy, layout.keys)
+        self.copy_bytes = nbytes(pieces) + self.copies.received
+        self.snapshot_s += time.perf_counter() - t0
+        self._admit()
+
+    @staticmethod
+    def _order_gathers(model: nn.Module, event: Any) -> None:
+        """The next forward's all-gathers write each unit's shard buffer (its tag columns) on
+        the gather stream: they wait for the copy, which reads that buffer, through the root's
+        post-optimizer event. The copy's event follows everything the compute stream had queued
+        (its stream waited for it), so nothing the gathers waited for before is lost; the copy
+        is a few milliseconds of device-to-host bandwidth before the first gather."""
+        from fullshard.engine.fsdp_module import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            model.set_post_optim_event(event)
+
+    def _order_updates(self, optimizer: torch.optim.Optimizer) -> None:
+        """On the CUDA path the optimizer's updates wait for the newest copy (once per
+        optimizer: a rebuilt one is hooked again)."""
+        if optimizer in self._hooked:
+            return
+
+        update_after_copies(optimizer, self.copies.newest_event, self.device)
+        self._hooked.add(optimizer)
+
+    def _send_newest(self) -> None:
+        """Send the newest own copy not yet sent to the rank that keeps it (its host buffers
+        are filled by now: a step has passed), and keep the copy that comes in."""
+        m = self.membership
+        assert m is not None
+        layout = self._layout()
+        step = self.copies.take_unsent()
+        if step is None or layout.keys < m.world or m.world == 1:
+            return  # (HSDP: the replicas hold it; alone: no one can)
+        from fullshard.comm import control
+
+        payload = to_bytes(self.copies.own[step].ready())
+        got = control.ring_exchange(payload, self.host_group, distance=layout.ring_step)
+        src = (m.rank - layout.ring_step) % m.world
+        self.copies.keep(step, f"{m.generation}:{layout.key(src)}", got)
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> int:
+        """Load the newest boundary the participants hold into ``model``, ``optimizer`` and
+        ``state`` (call on every rank of the new generation); returns its step."""
+        from fullshard.checkpoint.state_dict import set_state_dict
+        from fullshard.comm import control
+
+        m = self.membership
+        assert m is not None, "join() first"
+        group = self.host_group
+        everyone = control.all_gather_objects((self.member, self.copies.held()), group)
+        held = {member: h for member, h in everyone}
+        layouts = {int(g): n for _, h in everyone for g, n in h["layouts"].items()}
+        chosen = choose_boundary(held, layouts)
+        if chosen is None:
+            newest = max(layouts, default=m.generation)
+            have = {k for h in held.values() for kind in ("own", "copy") for k in h[kind].values()}
+            missing = sorted(
+                {k for k in range(layouts.get(newest, 0)) if f"{newest}:{k}" not in have}
+            )
+            raise Unrecoverable(
+                f"the shards of rank(s) {missing} of generation {newest} are held by no "
+                "survivor (ring neighbours, or every replica of a shard, lost together)"
+            )
+        step, providers = chosen
+        mine = self.copies.provide(
+            step, sorted(k for k, p in providers.items() if p == self.member)
+        )
+        parts = [p for ps in control.all_gather_objects(mine, group) for p in ps]
+        model_sd, optim_sd, loop_state = merge_pieces(parts)
+        if optim_sd["param_groups"] is not None:  # else before the first update: as built
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        self.changes = list(loop_state.pop(MEMBERSHIP, []))
+        state.clear()
+        state.update(loop_state)
+        self.copies.clear()  # another generation's layout: the next boundary copies anew
+        if m.generation > 0:
+            self.changes.append(
+                {
+                    "step": step + 1,
+                    "generation": m.generation,
+                    "reason": m.reason,
+                    "world_size": m.world,
+                    "ranks_lost": m.lost,
+                    "ranks_joined": m.joined,
+                    "ranks_left": m.left,
+                    "recovery_s": round(time.time() - (m.dead_at or self._failed_at or 0), 3),
+                }
+            )
+        self._failed_at = None
+        return step

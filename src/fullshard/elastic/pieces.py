@@ -1,0 +1,347 @@
+"""A step boundary's state in pieces (layer 9): each rank's blocks of the model and optimizer
+state on the host, where they sit in the global tensors, which boundary survivors can rebuild
+in full, and the full state rebuilt from them at any world size.
+
+NOTE [Ring copies]
+At a step boundary every rank copies its own shards (parameters, optimizer state) with the
+loop's small state to host memory, and at the next boundary sends that copy to the rank
+``ring_step`` ahead (the next node's rank with the same local rank, when there are several
+nodes: a lost node's copies live on another), which keeps it. Under HSDP the other replicas
+already hold the same shards, so no copy is sent: a boundary's pieces are named by their *shard
+key* (``generation:rank``, or ``generation:rank % shard_size`` under HSDP) and any holder of a
+key can stand in for its lost owner. Each rank keeps its two newest copies of each kind.
+
+On the CUDA path (``comm.device.cuda_semantics``) the device-to-host copies run on a side
+stream into pinned buffers behind an event, and nothing waits for them until the next boundary
+sends them, a step later, when they are long done: no host synchronisation per tensor or per
+step. The optimizer's next update, which overwrites the parameters, waits for the event on the
+device. Recovery takes the newest boundary the participants hold in full and replays the steps
+since (with ``fullshard.deterministic``, the same bits). A boundary before the first update (the
+optimizer holds no state yet) copies no tensors: the weights are what every membership's build
+makes (one seed, or the same files), and recovering to it keeps them; only the loop's state
+travels.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fullshard.comm import device as comm_device
+from fullshard.elastic.membership import Lost
+from fullshard.policies import FullshardError
+from fullshard.testing import emulation
+
+__all__ = [
+    "Copies",
+    "HostCopy",
+    "Unrecoverable",
+    "choose_boundary",
+    "from_bytes",
+    "merge_pieces",
+    "nbytes",
+    "pieces_of",
+    "to_bytes",
+    "update_after_copies",
+]
+
+
+class Unrecoverable(Lost):
+    """The lost state is not held by any survivor (two ring neighbours at once, say)."""
+
+
+@dataclass
+class HostCopy:
+    """One boundary's pieces of this rank (:func:`pieces_of`), and the event after which
+    their host buffers are filled (``None``: filled already)."""
+
+    generation: int
+    key: str  # the shard key this rank's pieces cover (NOTE [Ring copies])
+    pieces: dict[str, Any]
+    event: Any = None
+
+    def ready(self) -> dict[str, Any]:
+        """The pieces, once the copies are done (waits for them if they are not)."""
+        if self.event is not None:
+            if not self.event.query():
+                self.event.synchronize()
+            self.event = None
+        return self.pieces
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A tensor that sat inside a boundary's objects (a device learning rate in a parameter
+    group, a device step count in the loop state): copied like the others, to ``fulls[path]``."""
+
+    path: str
+
+
+def _lift(value: Any, path: str, put: Any) -> Any:
+    """``value`` with every tensor in it (in dicts, lists, tuples) handed to ``put`` and
+    replaced by a :class:`_Ref`: nothing pickled later reads a device tensor."""
+    if isinstance(value, torch.Tensor):
+        put(path, value)
+        return _Ref(path)
+    if isinstance(value, dict):
+        return {k: _lift(v, f"{path}\0{k}", put) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_lift(v, f"{path}\0{i}", put) for i, v in enumerate(value))
+    return value
+
+
+def _lower(value: Any, fulls: dict[str, torch.Tensor]) -> Any:
+    """:func:`_lift` undone, with the copies."""
+    if isinstance(value, _Ref):
+        return fulls[value.path]
+    if isinstance(value, dict):
+        return {k: _lower(v, fulls) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_lower(v, fulls) for v in value)
+    return value
+
+
+class Copies:
+    """The boundaries one rank holds (NOTE [Ring copies]): its own pieces, and the copies of
+    another rank's it keeps, the newest two of each; and what a membership decision needs to
+    know of them (:meth:`held`)."""
+
+    def __init__(self) -> None:
+        self.own: dict[int, HostCopy] = {}  # boundary step -> this rank's pieces
+        self.kept: dict[int, tuple[str, torch.Tensor]] = {}  # step -> (its key, its bytes)
+        self.keys: dict[int, int] = {}  # generation -> the shard keys of its layout
+        self.boxes: dict[str, tuple[list[int], list[int]]] = {}  # local boxes, this layout
+        self._sent: set[int] = set()
+        self.received = 0  # bytes of the newest copy kept
+
+    def add_own(self, step: int, copy: HostCopy, keys: int) -> None:
+        self.own[step] = copy
+        self.keys[copy.generation] = keys
+        for old in sorted(self.own)[:-2]:
+            del self.own[old]
+        self._sent &= set(self.own)
+
+    def take_unsent(self) -> int | None:
+        """The newest own boundary not yet sent (now counted as sent), or ``None``."""
+        unsent = [s for s in self.own if s not in self._sent]
+        if not unsent:
+            return None
+        self._sent.add(max(unsent))
+        return max(unsent)
+
+    def keep(self, step: int, key: str, data: torch.Tensor) -> None:
+        self.kept[step] = (key, data)
+        for old in sorted(self.kept)[:-2]:
+            del self.kept[old]
+        self.received = data.numel()
+
+    def newest_event(self) -> Any:
+        return self.own[max(self.own)].event if self.own else None
+
+    def held(self) -> dict[str, Any]:
+        """``{"own": {step: key}, "copy": {step: key}, "layouts": {generation: keys}}``."""
+        own = {s: c.key for s, c in self.own.items()}
+        copy = {s: key for s, (key, _) in self.kept.items()}
+        gens = {int(k.split(":")[0]) for k in [*own.values(), *copy.values()]}
+        return {"own": own, "copy": copy, "layouts": {str(g): self.keys[g] for g in gens}}
+
+    def provide(self, step: int, keys: list[str]) -> list[dict[str, Any]]:
+        """The pieces of boundary ``step`` this rank holds for ``keys``."""
+        own, copy = self.own.get(step), self.kept.get(step)
+        out = []
+        for key in keys:
+            if own is not None and own.key == key:
+                out.append(own.ready())
+            elif copy is not None and copy[0] == key:
+                out.append(from_bytes(copy[1]))
+        return out
+
+    def clear(self) -> None:
+        """Forget every boundary (after a restore: another layout's)."""
+        self.own.clear()
+        self.kept.clear()
+        self._sent.clear()
+        self.boxes.clear()
+
+
+def _local_box(dt: Any) -> tuple[list[int], list[int]]:
+    """(shape, global offset) of a DTensor's local tensor, as DTensor's own sharding rule says."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor._utils import (  # type: ignore[no-redef]
+            compute_local_shape_and_global_offset,
+        )
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return list(shape), list(offset)
+
+
+def pieces_of(
+    model_sd: dict[str, Any],
+    optim_sd: dict[str, Any],
+    state: dict[str, Any],
+    device: torch.device,
+    stream: Any = None,
+    boxes: dict[str, tuple[list[int], list[int]]] | None = None,
+) -> tuple[dict[str, Any], Any]:
+    """This rank's part of a step boundary, on the host: every DTensor leaf as its local block
+    with the block's place in the global tensor; plain tensors as they are, also those inside
+    the objects (parameter groups, ``state``: the loop's), which are kept as they are.
+
+    With ``stream`` (the CUDA path) device tensors go to pinned buffers on that stream, which
+    first waits for the current one; returns the event recorded after them (else ``None``).
+    ``boxes``: a cache of each DTensor's local box, kept while the layout stands (DTensor's
+    rule reads the mesh, a few host reads per tensor).
+    """
+    from torch.distributed.tensor import DTensor
+
+    chunks: dict[str, tuple[list[int], list[int], torch.Tensor]] = {}
+    fulls: dict[str, torch.Tensor] = {}
+    sources: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device tensor, host buffer)
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        if stream is None:
+            return t.detach().to("cpu", copy=True)
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        sources.append((t.detach(), buf))
+        return buf
+
+    def put(path: str, value: Any) -> None:
+        if isinstance(value, DTensor):
+            box = None if boxes is None else boxes.get(path)
+            shape, offset = box or _local_box(value)
+            if boxes is not None:
+                boxes[path] = (shape, offset)
+            local = value.to_local()
+            if list(local.shape) != shape:
+                raise FullshardError(f"{path}: local block {list(local.shape)} is not {shape}")
+            chunks[path] = (list(value.shape), offset, host(local))
+        elif isinstance(value, torch.Tensor):
+            fulls[path] = host(value)
+
+    for fqn, v in model_sd.items():
+        put("model\0" + fqn, v)
+    for fqn, entry in optim_sd.get("state", {}).items():
+        for k, v in entry.items():
+            put(f"optim\0{fqn}\0{k}", v)
+    objects = {"param_groups": optim_sd.get("param_groups", []), "state": dict(state)}
+    for fqn, entry in optim_sd.get("state", {}).items():  # non-tensor optimizer state
+        for k, v in entry.items():
+            if not isinstance(v, torch.Tensor):
+                objects[f"optim\0{fqn}\0{k}"] = v
+    objects = _lift(objects, "obj", put)
+    event = None
+    if stream is not None and sources:
+        stream.wait_stream(comm_device.current_stream(device))
+        with comm_device.use_stream(stream):
+            for src, buf in sources:
+                buf.copy_(src, non_blocking=True)
+                if comm_device.cuda_semantics(src.device):  # (a host tensor is copied at once)
+                    src.record_stream(stream)  # the state dict's own may die before the copy
+        event = comm_device.new_event()
+        event.record(stream)
+    return {"chunks": chunks, "fulls": fulls, "objects": objects}, event
+
+
+def update_after_copies(
+    optimizer: torch.optim.Optimizer, newest: Callable[[], Any], device: torch.device
+) -> None:
+    """On the CUDA path: each update of ``optimizer``, which overwrites the parameters and
+    state a copy reads, first waits (on the device) for the event of the newest copy
+    (``newest()``; ``None`` when none is in flight)."""
+
+    def wait(*_: Any) -> None:
+        event = newest()
+        if event is not None:
+            comm_device.current_stream(device).wait_event(event)
+
+    optimizer.register_step_pre_hook(wait)
+
+
+def nbytes(pieces: dict[str, Any]) -> int:
+    """The host bytes of a boundary's tensors (:func:`pieces_of`)."""
+    tensors = [local for _, _, local in pieces["chunks"].values()] + list(pieces["fulls"].values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def merge_pieces(parts: Iterable[dict[str, Any]]) -> tuple[dict, dict, dict]:
+    """The full model state dict, optimizer state dict and loop state that ``parts`` (pieces
+    of one boundary, from any world size, each block at least once) cover; raises
+    :class:`Unrecoverable` naming a tensor some element of which no part holds."""
+    parts = list(parts)
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for path, (shape, offset, local) in part["chunks"].items():
+            if path not in full:
+                full[path] = torch.empty(shape, dtype=local.dtype)
+                covered[path] = torch.zeros(shape, dtype=torch.bool)
+            box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
+            full[path][box] = local
+            covered[path][box] = True
+        for path, t in part["fulls"].items():
+            full.setdefault(path, t)
+            covered.setdefault(path, torch.ones((), dtype=torch.bool))
+    for path, mask in covered.items():
+        if not bool(mask.all()):
+            name = path.replace("\0", ".")
+            raise Unrecoverable(f"{name}: no survivor holds all of it")
+    objects = _lower(parts[0]["objects"], full)
+    model_sd: dict[str, Any] = {}
+    optim_state: dict[str, dict[str, Any]] = {}
+    for path, t in full.items():
+        kind, *rest = path.split("\0")
+        if kind == "model":
+            model_sd[rest[0]] = t
+        elif kind == "optim":
+            optim_state.setdefault(rest[0], {})[rest[1]] = t
+    for path, v in objects.items():
+        if path.startswith("optim\0"):
+            _, fqn, k = path.split("\0")
+            optim_state.setdefault(fqn, {})[k] = v
+    optim_sd = {"state": optim_state, "param_groups": objects["param_groups"]}
+    return model_sd, optim_sd, objects["state"]
+
+
+def choose_boundary(
+    held: dict[int, dict[str, dict[int, str]]], layouts: dict[int, int]
+) -> tuple[int, dict[str, int]] | None:
+    """The newest step boundary whose every shard key some participant holds, and who provides
+    each (key -> participant), or ``None``.
+
+    ``held[participant] = {"own": {step: key}, "copy": {step: key}}``: the boundaries a
+    participant holds of its own shards and of another rank's; a key is ``"g:k"``, shard ``k``
+    of generation ``g``'s layout, which has ``layouts[g]`` keys (NOTE [Ring copies]). A
+    participant's own copy is preferred, then the lowest participant: the same choice on every
+    rank.
+    """
+    boundaries = sorted(
+        {(s, int(k.split(":")[0])) for h in held.values() for kind in ("own", "copy")
+         for s, k in h[kind].items()},
+        reverse=True,
+    )  # fmt: skip
+    for step, gen in boundaries:
+        providers: dict[str, int] = {}
+        for kind in ("own", "copy"):
+            for p in sorted(held):
+                key = held[p][kind].get(step)
+                if key is not None and key.startswith(f"{gen}:"):
+                    providers.setdefault(key, p)
+        if all(f"{gen}:{k}" in providers for k in range(layouts.get(gen, 1 << 62))):
+            return step, providers
+    return None
+
+
+def to_bytes(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    # host memory on a GPU machine too (the CUDA emulation cannot see frombuffer make it)
+    return emulation.as_host(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+
+
+def from_bytes(t: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=False)
