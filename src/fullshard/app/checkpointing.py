@@ -108,9 +108,9 @@ class TrainCheckpoints:
         if saved != self.sampler.world_independent:  # every rank reads the same, and refuses
             how = "with" if saved else "without"
             raise ConfigError(
-                f"--resume {resume}: {folder} was written {how} --deterministic, whose data "
-                f"position is {'one global sampler' if saved else 'per rank'}: resume it {how} "
-                "--deterministic"
+                f"--resume {resume}: {folder} was written {how} the global sampler (--deterministic "
+                f"or --elastic), whose data position is {'one for all ranks' if saved else 'per rank'}"
+                f": resume it {how} --deterministic or --elastic"
             )
         set_state_dict(
             self.model,

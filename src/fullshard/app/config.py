@@ -237,8 +237,9 @@ class TrainConfig:
         "live recovery: when a rank's process (or node) dies, the others keep running, rebuild "
         "its shards in memory from their copies (a ring neighbour's, or another replica's under "
         "HSDP), reshard to the new world and replay the steps since; a replacement, or a "
-        "restarted node, joins at a step boundary (fullshard.elastic; needs --deterministic; "
-        "--nproc N, or torchrun --rdzv-backend fullshard)",
+        "restarted node, joins at a step boundary (fullshard.elastic; the global sampler of "
+        "--deterministic; with it, the bits of the uninterrupted run; --nproc N, or torchrun "
+        "--rdzv-backend fullshard)",
         group="launch",
     )
     elastic_every: int = _opt(
@@ -278,11 +279,18 @@ class TrainConfig:
         300.0, "seconds any collective may wait before the run fails", group="launch"
     )
 
+    @property
+    def global_sampler(self) -> bool:
+        """Whether every rank draws the step's whole global batch, cut into micro-batches of
+        ``--micro-batch-size`` (``fullshard.app.fixed_order``): with ``--deterministic``, and
+        with ``--elastic``, whose memberships change the world size a step runs at."""
+        return self.deterministic or self.elastic
+
     def micro_batch(self, dp: int) -> int:
         """Sequences per rank per micro-batch over ``dp`` data-parallel ranks (the TP ranks of
-        a data-parallel rank share it: ``ParallelDims.dp``); with ``--deterministic`` the fixed
+        a data-parallel rank share it: ``ParallelDims.dp``); with the global sampler the fixed
         ``--micro-batch-size``, whatever ``dp``."""
-        if self.deterministic:
+        if self.global_sampler:
             return self.micro_batch_size or self.batch_size // min(
                 8, self.batch_size & -self.batch_size
             )

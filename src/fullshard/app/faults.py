@@ -6,8 +6,9 @@
 - ``node``: the process SIGKILLs its launcher's agent, the agent's other workers and itself, at
   once (its node lost; for runs under torchrun, one agent per node);
 - ``hang``: the process stops in a sleep longer than any timeout (a stuck rank);
-- ``hold``: the process waits until a new process asks to join the job (``--elastic``; at most
-  the process group's timeout), so that a drill's restarted node joins before the run ends;
+- ``hold``: the process waits until new processes that can be admitted ask to join the job
+  (``--elastic``; not when it runs at its starting world already; at most half the process
+  group's timeout), so that a drill's restarted node joins before the run ends;
 - ``nan``: the rank's loss becomes NaN for that step (a numerical blow-up on one rank);
 - ``signal``: the rank sends itself a stop signal (``sig=TERM`` or ``sig=USR1``, default TERM)
   as step S starts, as if preempted there; with ``repeat=2`` it sends the same signal again as
@@ -61,7 +62,8 @@ class Fault:
             return False
         if self.kind == "hold" and joining is not None:
             print(f"[fault] rank {rank} holds step {step} until a process asks to join", flush=True)
-            deadline = time.monotonic() + float(os.environ.get("FULLSHARD_TIMEOUT_S", "300"))
+            # (the others wait in a collective meanwhile: well inside its timeout)
+            deadline = time.monotonic() + float(os.environ.get("FULLSHARD_TIMEOUT_S", "300")) / 2
             while not joining() and time.monotonic() < deadline:
                 time.sleep(0.05)
         if self.kind == "signal":

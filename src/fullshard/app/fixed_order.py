@@ -1,6 +1,11 @@
-"""``fullshard train --deterministic``: a step's micro-batches, validation and figures in a fixed
-order (``fullshard.deterministic``), so that the weights are the same bits at any power-of-two
-world size and after a resume on another one.
+"""``fullshard train --deterministic`` (and ``--elastic``): a step's micro-batches, validation and
+figures in a fixed order (``fullshard.deterministic``), so that the weights are the same bits at
+any power-of-two world size and after a resume on another one.
+
+``--elastic`` without ``--deterministic`` (``exact=False``) keeps the global sampler and the
+micro-batches, which a changed membership needs, and sums the gradients as the default does: a
+rank adds its micro-batches up and one reduce-scatter sums the ranks' (so any world dividing the
+number of micro-batches works, and the weights differ in the last bits between world sizes).
 
 The sampler is the global one: every rank draws the step's whole global batch from the whole
 training stream (``RankBatches`` over the unsplit stream, with ``world_independent``), so its
@@ -27,6 +32,7 @@ from fullshard.deterministic import (
     seed_micro_batch,
     sum_over_micro_batches,
 )
+from fullshard.engine.fsdp_module import FSDPModule
 
 __all__ = ["FixedOrderSteps"]
 
@@ -50,11 +56,21 @@ class FixedOrderSteps:
         world: int,
         device: torch.device,
         to_device: Callable[[torch.Tensor, torch.device], torch.Tensor],
+        exact: bool = True,
     ) -> None:
         self.plan = MicroBatches(global_batch, micro_batch)
-        self.mine = list(self.plan.indices(rank, world))
-        self.rank, self.world, self.seed = rank, world, seed
+        self.rank, self.world, self.seed, self.exact = rank, world, seed, exact
         self.device, self._to_device = device, to_device
+        self.tree: GradientTree | None = None
+        if not exact:  # plain sums: each rank's micro-batches, then one reduce-scatter
+            if self.plan.count % world:
+                raise ValueError(f"{self.plan.count} micro-batches do not split over {world} ranks")
+            self.mine = list(range(rank, self.plan.count, world))
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_gradient_divide_factor(1.0)  # each loss is divided by the count
+            return
+        self.mine = list(self.plan.indices(rank, world))
         enable(model)
         self.tree = GradientTree(model.parameters(), self.plan, world)
         if device.type == "cuda":
@@ -64,9 +80,10 @@ class FixedOrderSteps:
 
     def describe(self, seq_len: int) -> str:
         """The run line's words for the micro-batches."""
+        how = "sums in a fixed order (--deterministic)" if self.exact else "one global sampler"
         return (
             f"{self.plan.count} micro-batches of {self.plan.micro_batch} x {seq_len} per step, "
-            f"{len(self.mine)} per rank, sums in a fixed order (--deterministic)"
+            f"{len(self.mine)} per rank, {how}"
         )
 
     def step(self, model: nn.Module, step: int, batch: Batch, poison: bool) -> torch.Tensor:
@@ -75,17 +92,21 @@ class FixedOrderSteps:
         same on every rank)."""
         x, y = batch
         values = []
-        for i in self.mine:
+        for k, i in enumerate(self.mine):
             rows = self.plan.rows(i)
             seed_micro_batch(self.seed, step, i)
             xb, yb = self._to_device(x[rows], self.device), self._to_device(y[rows], self.device)
+            if self.tree is None:  # plain sums: reduce once, after the last micro-batch
+                model.set_requires_gradient_sync(k == len(self.mine) - 1)  # type: ignore[operator]
             loss = lm_loss(model, xb, yb) / self.plan.count
             if poison:
                 loss = loss * float("nan")
             loss.backward()
-            self.tree.push()
+            if self.tree is not None:
+                self.tree.push()
             values.append(loss.detach().double())
-        self.tree.finish()
+        if self.tree is not None:
+            self.tree.finish()
         return sum_over_micro_batches(values)
 
     def val_batches(self, val_tokens: Any, seq_len: int, count: int) -> tuple[list[Batch], int]:

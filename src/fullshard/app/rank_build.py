@@ -119,12 +119,12 @@ def build_rank(
         cpu_offload=cfg.cpu_offload,
     )
     fixed, val_count = None, 0
-    if cfg.deterministic:
+    if cfg.global_sampler:
         from fullshard.app.fixed_order import FixedOrderSteps
 
         fixed = FixedOrderSteps(
             model, global_batch=cfg.batch_size, micro_batch=micro, seed=cfg.seed, rank=rank,
-            world=world, device=device, to_device=to_device,
+            world=world, device=device, to_device=to_device, exact=cfg.deterministic,
         )  # fmt: skip
         val, val_count = fixed.val_batches(val_tokens, cfg.seq_len, cfg.eval_batches)
     # NOTE [The step's verdict on the device]: on the CUDA path the device skips non-finite

@@ -189,7 +189,7 @@ def _train(
     micro = cfg.micro_batch(dims.dp)
     # data parallel rank: the --tp consecutive ranks of one TP group read the same batches
     dp_rank, dp = dims.dp_rank(rank), dims.dp
-    if cfg.deterministic:  # the global sampler (fullshard.app.fixed_order)
+    if cfg.global_sampler:  # (fullshard.app.fixed_order)
         train_tokens, val_tokens = split_for_rank(tokens, 0, 1, cfg.val_fraction)
         sampler = RankBatches(
             train_tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=0,
@@ -293,7 +293,7 @@ def _train(
                     if step > done + 1:
                         host_syncs[str(step - 1)] = sum(emulation.sync_counts().values())
                     emulation.reset_sync_counts()
-                joining = None if mgr is None else mgr.join_waiting
+                joining = None if mgr is None else mgr.join_waiting_or_whole
                 poison = fault.at_step(step, rank, joining) if fault is not None else False
                 # The step's figures (loss, gradient norm, votes) stay on the device until the
                 # step's one read below: no per-micro-batch float(loss) stalls the host.

@@ -252,6 +252,9 @@ def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
     if cfg.deterministic:
         _check_deterministic(cfg, dims)
         return
+    if cfg.elastic:
+        _check_global_batch(cfg, dims)
+        return
     per_step = dims.dp * cfg.grad_accum
     if cfg.batch_size % per_step != 0:
         lower = max(per_step, cfg.batch_size - cfg.batch_size % per_step)
@@ -265,7 +268,7 @@ def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
 
 
 def _check_elastic(cfg: TrainConfig) -> None:
-    """``--elastic``: what live recovery supports so far (``fullshard.elastic``)."""
+    """``--elastic``: what live recovery supports (``fullshard.elastic``)."""
     from fullshard.app.dims import under_torchrun
     from fullshard.app.elastic_launch import RDZV_ENV
 
@@ -276,19 +279,38 @@ def _check_elastic(cfg: TrainConfig) -> None:
             "--rdzv-backend fullshard --rdzv-endpoint HOST:PORT ..., or fullshard train --nproc N "
             "--elastic on one machine"
         )
-    if not cfg.deterministic:
-        raise ConfigError(
-            "--elastic needs --deterministic: its global sampler and fixed micro-batches are "
-            "what a recovered step redoes at another membership"
-        )
     for flag, on in (
         ("--max-restarts", cfg.max_restarts > 0), ("--cpu-offload", cfg.cpu_offload),
-        ("--async-save", cfg.async_save),
+        ("--async-save", cfg.async_save), ("--tp", cfg.tp > 1),
+        ("--mixed-precision fp16", cfg.mixed_precision == "fp16"),
     ):  # fmt: skip
         if on:
             raise ConfigError(f"--elastic with {flag} is not supported: drop one of them")
     if cfg.elastic_every < 1:
         raise ConfigError(f"--elastic-every must be at least 1, got {cfg.elastic_every}")
+
+
+def _check_global_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """``--elastic`` without ``--deterministic``: the global batch is cut into micro-batches of
+    ``--micro-batch-size``, the same number on every rank."""
+    if cfg.grad_accum != 1:
+        raise ConfigError(
+            f"--elastic sets the micro-batches with --micro-batch-size, not --grad-accum "
+            f"{cfg.grad_accum}: drop --grad-accum"
+        )
+    micro = cfg.micro_batch(dims.dp)
+    if micro < 1 or cfg.batch_size % micro:
+        raise ConfigError(
+            f"--micro-batch-size {cfg.micro_batch_size} does not divide --batch-size "
+            f"{cfg.batch_size}: the global batch is cut into micro-batches of one size"
+        )
+    count = cfg.batch_size // micro
+    if count % dims.world:
+        worlds = ", ".join(str(w) for w in range(1, count + 1) if count % w == 0)
+        raise ConfigError(
+            f"--elastic on {dims.world} ranks: --batch-size {cfg.batch_size} in micro-batches of "
+            f"{micro} is {count}, which split evenly over {worlds} ranks: run on one of those"
+        )
 
 
 def _check_deterministic(cfg: TrainConfig, dims: ParallelDims) -> None:

@@ -79,9 +79,9 @@ def check_data(cfg: TrainConfig, dims: ParallelDims) -> None:
 
 def _draws(cfg: TrainConfig, dims: ParallelDims) -> tuple[int, int]:
     """``(sequences one draw of a sampler takes, ranks the training stream is split over)``:
-    a micro-batch from each data-parallel rank's slice, or with ``--deterministic`` the whole
-    global batch from the whole stream (the global sampler)."""
-    if cfg.deterministic:
+    a micro-batch from each data-parallel rank's slice, or with the global sampler
+    (``--deterministic``, ``--elastic``) the whole global batch from the whole stream."""
+    if cfg.global_sampler:
         return cfg.batch_size, 1
     return cfg.micro_batch(dims.dp), dims.dp
 

@@ -170,18 +170,17 @@ def broadcast_tensor(
 
 
 def ring_exchange(
-    payload: torch.Tensor,
+    payloads: Sequence[torch.Tensor],
     group: dist.ProcessGroup | None = None,
     *,
     distance: int = 1,
-) -> torch.Tensor:
-    """Send this rank's bytes (a host uint8 ``payload``, any length) to the rank ``distance``
-    ahead in rank order and return those of the rank ``distance`` behind (``fullshard.elastic``'s
-    ring copies): the size first, then the bytes, each as one send and one receive. Everything
-    stays on the host, so ``group`` must move CPU tensors (gloo). The waits are the process
-    group's own, bounded by its timeout (a gloo send's work never reports itself complete to a
-    poll, so ``timed_wait``'s polling under ``--elastic`` would wait out its deadline;
-    measured)."""
+) -> list[torch.Tensor]:
+    """Send this rank's host uint8 ``payloads`` (any lengths) to the rank ``distance`` ahead in
+    rank order and return those of the rank ``distance`` behind (``fullshard.elastic``'s ring
+    copies): their sizes first, then each, one send and one receive a payload. Everything stays
+    on the host, so ``group`` must move CPU tensors (gloo). The waits are the process group's
+    own, bounded by its timeout (a gloo send's work never reports itself complete to a poll, so
+    ``timed_wait``'s polling under ``--elastic`` would wait out its deadline; measured)."""
     if "cpu" not in accepted_devices(group):
         raise FullshardError("ring_exchange moves host bytes: give it a gloo group")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -196,8 +195,13 @@ def ring_exchange(
 
     # host memory on a GPU machine too (made from data, or marked: the CUDA emulation's
     # all-device mode would otherwise take a plain CPU buffer for device memory)
-    other = torch.tensor([0], dtype=torch.int64)
-    swap(torch.tensor([payload.numel()], dtype=torch.int64), other)
-    got = emulation.as_host(torch.empty(int(other.item()), dtype=torch.uint8))
-    swap(emulation.as_host(payload.contiguous()), got)
+    sizes = torch.tensor([p.numel() for p in payloads], dtype=torch.int64)
+    theirs = torch.tensor([0] * len(payloads), dtype=torch.int64)
+    swap(sizes, theirs)
+    got = []
+    for payload, size in zip(payloads, theirs.tolist(), strict=True):
+        into = emulation.as_host(torch.empty(size, dtype=torch.uint8))
+        send = payload.contiguous()
+        swap(send if send.is_pinned() else emulation.as_host(send), into)
+        got.append(into)
     return got

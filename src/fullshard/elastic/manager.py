@@ -37,9 +37,8 @@ from fullshard.elastic.pieces import (
     Unrecoverable,
     choose_boundary,
     merge_pieces,
-    nbytes,
     pieces_of,
-    to_bytes,
+    unpacked,
     update_after_copies,
 )
 
@@ -217,8 +216,9 @@ class Manager:
         with _store_alive(self.address):
             self.jobs.beat(self.member)
             if self.joining:
+                newest = self.jobs.latest()  # before asking: the admission may come at once
                 self.jobs.ask_join(self.member, self.replaces)
-                return self._wait_admitted(self.jobs.latest(), "asked to join")
+                return self._wait_admitted(newest, "asked to join")
             if self.member == 0 and not self.jobs.has_generation(0):
                 self.jobs.reserve_ids(self.world0)
                 self.jobs.write_generation(0, {"members": list(range(self.world0))})
@@ -311,6 +311,11 @@ class Manager:
             self._watcher = None
         desync.interrupt = None
 
+    def join_waiting_or_whole(self) -> bool:
+        """:meth:`join_waiting`, or the job back at generation 0's world (nothing to wait for)."""
+        whole = self.membership is not None and self.membership.world >= self.world0
+        return whole or self.join_waiting()
+
     def finish(self) -> None:
         """The job is done (rank 0, at the end): processes still waiting to join leave."""
         self.jobs.set_note("finished", "1")
@@ -384,10 +389,14 @@ class Manager:
             waiting_for = {
                 e["replacement"] for x, e in exits.items() if x in dead and e.get("replacement")
             } - {j.member for j in self.jobs.joins()}
-            late = now - start > self.timeout_s
             writer = not unsettled and self.member == min(ready, key=old.index)
-            if writer and (not waiting_for or late):
-                self._write(target, old, ready, exits)
+            # the others wait longer than the writer, whose message (it ends the job) is better
+            late = now - start > self.timeout_s * (1 if writer or unsettled else 2)
+            if (
+                writer
+                and (not waiting_for or late)
+                and self._write(target, old, ready, exits, late)
+            ):
                 continue
             if late:
                 what = f"rank(s) {unsettled} neither checked in nor died" if unsettled else (
@@ -403,9 +412,11 @@ class Manager:
         old: list[int],
         ready: dict[int, dict[str, Any]],
         exits: dict[int, dict[str, Any]],
-    ) -> None:
+        late: bool,
+    ) -> bool:
         """Decide generation ``target`` from the check-ins and write it (this rank is the
-        survivor of lowest rank)."""
+        survivor of lowest rank); ``False`` when no world the job accepts can be formed yet
+        (joiners may still come, until the timeout: ``late``)."""
         joiners = [j for j in self.jobs.joins() if j.member not in old and j.member not in exits]
         layouts = {int(g): n for r in ready.values() for g, n in r["held"]["layouts"].items()}
 
@@ -413,12 +424,16 @@ class Manager:
             return choose_boundary({x: ready[x]["held"] for x in kept}, layouts) is not None
 
         record = after_loss(old, ready, exits, joiners, self.accepts, covered)
+        if record is None and not late:
+            return False
         if record is None:
             raise Unrecoverable(
                 f"{len(ready)} rank(s) survive and {len(joiners)} wait to join, and the job runs "
-                f"at no world size up to {len(ready) + len(joiners)}"
+                f"at no world size up to {len(ready) + len(joiners)} (none came within "
+                f"{self._t()})"
             )
         self.jobs.write_generation(target, record)
+        return True
 
     def _admit(self) -> None:
         """Rank 0 at a boundary whose copies are taken: admit waiting processes by writing the
@@ -472,7 +487,7 @@ class Manager:
             stream = self._stream
             self._order_updates(optimizer)
         # the membership history travels with the state: a new rank 0 reports it all
-        pieces, event = pieces_of(
+        pieces, event, flat = pieces_of(
             model_sd, optim_sd, {**state, MEMBERSHIP: self.changes}, self.device, stream,
             self.copies.boxes,
         )  # fmt: skip
@@ -483,9 +498,9 @@ class Manager:
             # compute as usual
             device.current_stream(self.device).wait_event(event)
         layout = self._layout()
-        copy = HostCopy(m.generation, f"{m.generation}:{layout.key(m.rank)}", pieces, event)
-        self.copies.add_own(step, copy, layout.keys)
-        self.copy_bytes = nbytes(pieces) + self.copies.received
+        key = f"{m.generation}:{layout.key(m.rank)}"
+        self.copies.add_own(step, HostCopy(m.generation, key, pieces, event, flat), layout.keys)
+        self.copy_bytes = flat.numel() + self.copies.received
         self.snapshot_s += time.perf_counter() - t0
         self._admit()
 
@@ -521,10 +536,10 @@ class Manager:
             return  # (HSDP: the replicas hold it; alone: no one can)
         from fullshard.comm import control
 
-        payload = to_bytes(self.copies.own[step].ready())
-        got = control.ring_exchange(payload, self.host_group, distance=layout.ring_step)
+        sent = self.copies.own[step].packed()
+        meta, flat = control.ring_exchange(sent, self.host_group, distance=layout.ring_step)
         src = (m.rank - layout.ring_step) % m.world
-        self.copies.keep(step, f"{m.generation}:{layout.key(src)}", got)
+        self.copies.keep(step, f"{m.generation}:{layout.key(src)}", meta, flat)
 
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> int:
         """Load the newest boundary the participants hold into ``model``, ``optimizer`` and
@@ -553,7 +568,7 @@ class Manager:
         mine = self.copies.provide(
             step, sorted(k for k, p in providers.items() if p == self.member)
         )
-        parts = [p for ps in control.all_gather_objects(mine, group) for p in ps]
+        parts = [unpacked(*p) for ps in control.all_gather_objects(mine, group) for p in ps]
         model_sd, optim_sd, loop_state = merge_pieces(parts)
         if optim_sd["param_groups"] is not None:  # else before the first update: as built
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

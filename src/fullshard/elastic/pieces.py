@@ -43,9 +43,9 @@ __all__ = [
     "choose_boundary",
     "from_bytes",
     "merge_pieces",
-    "nbytes",
     "pieces_of",
     "to_bytes",
+    "unpacked",
     "update_after_copies",
 ]
 
@@ -56,13 +56,15 @@ class Unrecoverable(Lost):
 
 @dataclass
 class HostCopy:
-    """One boundary's pieces of this rank (:func:`pieces_of`), and the event after which
-    their host buffers are filled (``None``: filled already)."""
+    """One boundary's pieces of this rank (:func:`pieces_of`): their tensors are views of one
+    flat host buffer (``flat``; ``slots``: each view's byte offset, dtype and shape, in the
+    order the pieces name them), filled after ``event`` (``None``: filled already)."""
 
     generation: int
     key: str  # the shard key this rank's pieces cover (NOTE [Ring copies])
     pieces: dict[str, Any]
     event: Any = None
+    flat: torch.Tensor | None = None
 
     def ready(self) -> dict[str, Any]:
         """The pieces, once the copies are done (waits for them if they are not)."""
@@ -71,6 +73,57 @@ class HostCopy:
                 self.event.synchronize()
             self.event = None
         return self.pieces
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(meta, flat)`` to send: the pieces' structure with their tensors as slots of the
+        flat buffer (pickled, small), and the buffer itself (no copy). :func:`unpacked` undoes
+        it on the other side."""
+        pieces = self.ready()
+        flat = self.flat if self.flat is not None else torch.empty(0, dtype=torch.uint8)
+        return to_bytes(_slotted(pieces, flat)), flat
+
+
+_ALIGN = 64  # each view's byte offset in a flat buffer (any dtype's alignment)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor of a packed boundary: ``flat[offset:offset + nbytes]`` as ``dtype``, ``shape``."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _view(flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    n = int(torch.Size(slot.shape).numel()) * torch.empty((), dtype=slot.dtype).element_size()
+    return flat[slot.offset : slot.offset + n].view(slot.dtype).view(slot.shape)
+
+
+def _slotted(pieces: dict[str, Any], flat: torch.Tensor) -> dict[str, Any]:
+    """``pieces`` with each tensor (a view of ``flat``) replaced by its :class:`_Slot`."""
+    base = flat.data_ptr()
+
+    def slot(t: torch.Tensor) -> _Slot:
+        return _Slot(t.data_ptr() - base, t.dtype, tuple(t.shape))
+
+    return {
+        "chunks": {p: (sh, off, slot(t)) for p, (sh, off, t) in pieces["chunks"].items()},
+        "fulls": {p: slot(t) for p, t in pieces["fulls"].items()},
+        "objects": pieces["objects"],
+    }
+
+
+def unpacked(meta: torch.Tensor, flat: torch.Tensor) -> dict[str, Any]:
+    """The pieces :meth:`HostCopy.packed` sent, their tensors views of ``flat`` (host memory:
+    what a gloo receive or an unpickled object gives)."""
+    meta, flat = emulation.as_host(meta), emulation.as_host(flat)
+    pieces = from_bytes(meta)
+    return {
+        "chunks": {p: (sh, o, _view(flat, s)) for p, (sh, o, s) in pieces["chunks"].items()},
+        "fulls": {p: _view(flat, s) for p, s in pieces["fulls"].items()},
+        "objects": pieces["objects"],
+    }
 
 
 @dataclass(frozen=True)
@@ -112,7 +165,8 @@ class Copies:
 
     def __init__(self) -> None:
         self.own: dict[int, HostCopy] = {}  # boundary step -> this rank's pieces
-        self.kept: dict[int, tuple[str, torch.Tensor]] = {}  # step -> (its key, its bytes)
+        # step -> (its key, and what came in: meta and flat, :func:`unpacked`)
+        self.kept: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
         self.keys: dict[int, int] = {}  # generation -> the shard keys of its layout
         self.boxes: dict[str, tuple[list[int], list[int]]] = {}  # local boxes, this layout
         self._sent: set[int] = set()
@@ -133,11 +187,11 @@ class Copies:
         self._sent.add(max(unsent))
         return max(unsent)
 
-    def keep(self, step: int, key: str, data: torch.Tensor) -> None:
-        self.kept[step] = (key, data)
+    def keep(self, step: int, key: str, meta: torch.Tensor, flat: torch.Tensor) -> None:
+        self.kept[step] = (key, meta, flat)
         for old in sorted(self.kept)[:-2]:
             del self.kept[old]
-        self.received = data.numel()
+        self.received = meta.numel() + flat.numel()
 
     def newest_event(self) -> Any:
         return self.own[max(self.own)].event if self.own else None
@@ -145,19 +199,21 @@ class Copies:
     def held(self) -> dict[str, Any]:
         """``{"own": {step: key}, "copy": {step: key}, "layouts": {generation: keys}}``."""
         own = {s: c.key for s, c in self.own.items()}
-        copy = {s: key for s, (key, _) in self.kept.items()}
+        copy = {s: kept[0] for s, kept in self.kept.items()}
         gens = {int(k.split(":")[0]) for k in [*own.values(), *copy.values()]}
         return {"own": own, "copy": copy, "layouts": {str(g): self.keys[g] for g in gens}}
 
-    def provide(self, step: int, keys: list[str]) -> list[dict[str, Any]]:
-        """The pieces of boundary ``step`` this rank holds for ``keys``."""
+    def provide(self, step: int, keys: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The pieces of boundary ``step`` this rank holds for ``keys``, packed (``(meta,
+        flat)``, :func:`unpacked`): pickling them whole would pickle the flat buffer once for
+        every tensor that views it."""
         own, copy = self.own.get(step), self.kept.get(step)
         out = []
         for key in keys:
             if own is not None and own.key == key:
-                out.append(own.ready())
+                out.append(own.packed())
             elif copy is not None and copy[0] == key:
-                out.append(from_bytes(copy[1]))
+                out.append((copy[1], copy[2]))
         return out
 
     def clear(self) -> None:
@@ -187,28 +243,26 @@ def pieces_of(
     device: torch.device,
     stream: Any = None,
     boxes: dict[str, tuple[list[int], list[int]]] | None = None,
-) -> tuple[dict[str, Any], Any]:
+) -> tuple[dict[str, Any], Any, torch.Tensor]:
     """This rank's part of a step boundary, on the host: every DTensor leaf as its local block
     with the block's place in the global tensor; plain tensors as they are, also those inside
     the objects (parameter groups, ``state``: the loop's), which are kept as they are.
 
-    With ``stream`` (the CUDA path) device tensors go to pinned buffers on that stream, which
-    first waits for the current one; returns the event recorded after them (else ``None``).
+    Returns the pieces, whose tensors are views of one flat host buffer, the event after which
+    it is filled (``None``: filled already), and the buffer. With ``stream`` (the CUDA path) the
+    buffer is pinned and filled on that stream, which first waits for the current one.
     ``boxes``: a cache of each DTensor's local box, kept while the layout stands (DTensor's
     rule reads the mesh, a few host reads per tensor).
     """
     from torch.distributed.tensor import DTensor
 
-    chunks: dict[str, tuple[list[int], list[int], torch.Tensor]] = {}
-    fulls: dict[str, torch.Tensor] = {}
-    sources: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device tensor, host buffer)
+    chunks: dict[str, tuple[list[int], list[int], Any]] = {}
+    fulls: dict[str, Any] = {}
+    sources: list[torch.Tensor] = []  # what to copy, in slot order
 
-    def host(t: torch.Tensor) -> torch.Tensor:
-        if stream is None:
-            return t.detach().to("cpu", copy=True)
-        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        sources.append((t.detach(), buf))
-        return buf
+    def host(t: torch.Tensor) -> int:  # a placeholder until the buffer exists
+        sources.append(t.detach())
+        return len(sources) - 1
 
     def put(path: str, value: Any) -> None:
         if isinstance(value, DTensor):
@@ -234,17 +288,35 @@ def pieces_of(
             if not isinstance(v, torch.Tensor):
                 objects[f"optim\0{fqn}\0{k}"] = v
     objects = _lift(objects, "obj", put)
+    # one host buffer for all of them (pinned on the CUDA path): sent as it is, no pickling
+    slots, end = [], 0
+    for t in sources:
+        slots.append(_Slot(end, t.dtype, tuple(t.shape)))
+        end += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    flat = torch.empty(end, dtype=torch.uint8, pin_memory=stream is not None)
+    views = [_view(flat, slot) for slot in slots]
+    chunks = {p: (sh, off, views[i]) for p, (sh, off, i) in chunks.items()}
+    fulls = {p: views[i] for p, i in fulls.items()}
     event = None
-    if stream is not None and sources:
+    if stream is None:
+        with torch.no_grad():
+            for src, view in zip(sources, views, strict=True):
+                view.copy_(src)
+    elif sources:
+        on_device = []
+        for src, view in zip(sources, views, strict=True):
+            if emulation.in_host_memory(src):  # a host tensor (AdamW's step count): at once,
+                view.copy_(src)  # before the stream writes the rest of the buffer
+            else:
+                on_device.append((src, view))
         stream.wait_stream(comm_device.current_stream(device))
         with comm_device.use_stream(stream):
-            for src, buf in sources:
-                buf.copy_(src, non_blocking=True)
-                if comm_device.cuda_semantics(src.device):  # (a host tensor is copied at once)
-                    src.record_stream(stream)  # the state dict's own may die before the copy
+            for src, view in on_device:
+                view.copy_(src, non_blocking=True)
+                src.record_stream(stream)  # the state dict's own may die before the copy
         event = comm_device.new_event()
         event.record(stream)
-    return {"chunks": chunks, "fulls": fulls, "objects": objects}, event
+    return {"chunks": chunks, "fulls": fulls, "objects": objects}, event, flat
 
 
 def update_after_copies(
@@ -260,12 +332,6 @@ def update_after_copies(
             comm_device.current_stream(device).wait_event(event)
 
     optimizer.register_step_pre_hook(wait)
-
-
-def nbytes(pieces: dict[str, Any]) -> int:
-    """The host bytes of a boundary's tensors (:func:`pieces_of`)."""
-    tensors = [local for _, _, local in pieces["chunks"].values()] + list(pieces["fulls"].values())
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def merge_pieces(parts: Iterable[dict[str, Any]]) -> tuple[dict, dict, dict]:

@@ -126,6 +126,7 @@ __all__ = [
     "default_stream",
     "emulated_collective",
     "emulated_pinned",
+    "in_host_memory",
     "enabled_from_env",
     "is_active",
     "name_tensor",
@@ -265,6 +266,15 @@ def as_host(t: torch.Tensor) -> torch.Tensor:
     if emu is not None:
         emu.mark(t, HOST_MEMORY)
     return t
+
+
+def in_host_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in host memory (pinned or pageable) in the emulation's model (outside
+    one: a CPU tensor)."""
+    emu = core.active()
+    if emu is None:
+        return t.device.type == "cpu"
+    return emu.kind(t) != DEVICE
 
 
 def emulated_pinned(t: torch.Tensor) -> torch.Tensor:
