@@ -6,8 +6,9 @@ One command, a few minutes on one GPU:  ``python scripts/gpu_check.py``. Prints 
 1. ``cli.*``: the real CLI (``python -m fullshard.app.cli ...``, a subprocess each) at world
    size 1 on NCCL: ``train`` with saves and ``--stop-after``, ``--resume latest``, ``convert``,
    a Hugging Face model (``hf:llama-tiny``), ``trace``, ``bench --mixed-precision bf16``,
-   ``plan --check``, and ``train`` on 2 ranks sharing the GPU over gloo; each checks the exit
-   status and the files the command must write.
+   ``plan --check``, ``train`` on 2 ranks sharing the GPU over gloo, and ``train --elastic`` on
+   them with rank 1 killed (under torch's CUDA sanitizer); each checks the exit status and the
+   files the command must write.
 2. ``nccl1.*``, ``gloo2.*``, ``gloo4.*``: parity of every strategy against one unsharded
    model, bf16, CPU offload and a sharded checkpoint save/load, in spawned ranks: NCCL with one
    GPU per rank (world size = visible GPUs), then 2 and 4 ranks all on ``cuda:0`` over gloo
@@ -80,9 +81,12 @@ class Cli:
         self.runs = work / "runs"
         self._base: subprocess.CompletedProcess[str] | None = None
 
-    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "fullshard.app.cli", *args]
-        return run_bounded(cmd, min(CLI_TIMEOUT_S, self.deadline - time.monotonic()))
+        limit = min(CLI_TIMEOUT_S, self.deadline - time.monotonic())
+        return run_bounded(cmd, limit, extra=env)
 
     def train(self, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
         """A short tiny-model run on one rank, on this device."""
@@ -103,12 +107,13 @@ class Cli:
 
 
 def run_bounded(
-    cmd: list[str], limit: float, drop: tuple[str, ...] = ()
+    cmd: list[str], limit: float, drop: tuple[str, ...] = (), extra: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` (a child of this checkout, one thread per rank, gloo on loopback) for at most
     ``limit`` seconds: on timeout it and everything it started are killed (exit status 124).
-    ``drop``: environment variables the child must not inherit."""
+    ``drop``: environment variables the child must not inherit; ``extra``: ones it gets."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", *drop)}
+    env.update(extra or {})
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.setdefault("OMP_NUM_THREADS", "1")
     limit = max(1.0, limit)
@@ -271,6 +276,29 @@ def cli_share(cli: Cli) -> tuple[bool, str]:
     return ok, f"2 ranks on one {cli.device} device over gloo, 3 steps, loss {last['loss']}, {mem}"
 
 
+def cli_elastic(cli: Cli) -> tuple[bool, str]:
+    """``train --elastic`` on 2 ranks sharing the device over gloo, rank 1 killed at step 3: the
+    CUDA path's copies (pinned, on a side stream), the recovery's drain and rebuild, under
+    torch's CUDA sanitizer on a GPU."""
+    env = {"FULLSHARD_FAULT": "kill:rank=1:step=3"}
+    if cli.device == "cuda":
+        env["TORCH_CUDA_SANITIZER"] = "1"
+    proc = cli.run(
+        "train", "--model", "tiny", "--nproc", "2", "--backend", "gloo", "--device", cli.device,
+        "--elastic", "--deterministic", "--max-steps", "6", "--seq-len", "32", "--batch-size",
+        "8", "--micro-batch-size", "2", "--log-every", "6", "--eval-every", "0",
+        "--sample-tokens", "0", "--timeout", "120", "--runs-dir", str(cli.runs), "--name",
+        "elastic", env=env,
+    )  # fmt: skip
+    if proc.returncode != 0 or "CSAN" in proc.stderr:
+        return False, _failed(proc)
+    summary = json.loads((cli.runs / "elastic" / "summary.json").read_text())
+    changes = [(c["ranks_lost"], c["ranks_joined"]) for c in summary.get("membership", [])]
+    kept = summary["pids"][0] == summary["pids_at_start"][0]
+    ok = changes == [([1], [1])] and kept and summary["process_restarts"] == 0
+    return ok, f"rank 1 lost and replaced in memory {changes}, rank 0 kept its process: {kept}"
+
+
 CLI_CHECKS: dict[str, Check] = {
     "cli.train": cli_train,
     "cli.resume": cli_resume,
@@ -280,6 +308,7 @@ CLI_CHECKS: dict[str, Check] = {
     "cli.bench": cli_bench,
     "cli.plan": cli_plan,
     "cli.share": cli_share,
+    "cli.elastic": cli_elastic,
 }
 
 

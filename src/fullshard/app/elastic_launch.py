@@ -154,11 +154,6 @@ def launch_elastic(
                 stop_all()
                 print(f"fullshard: {aborted}", file=sys.stderr)
                 return 1
-            if all(p.exitcode is not None for p in procs.values()):
-                if finished():
-                    return 0
-                print("fullshard: every rank exited, some with an error", file=sys.stderr)
-                return 1
             for member, p in list(procs.items()):
                 if p.exitcode in (None, 0) or member in reported:
                     continue
@@ -176,3 +171,15 @@ def launch_elastic(
                 new = jobs.new_member_ids(1)
                 jobs.report_exit(member, p.exitcode, new)
                 start(new, slots[member], member)
+            newest = jobs.generation(jobs.latest())
+            members = [] if newest is None else newest["members"]
+            if members and all(procs[m].exitcode not in (None, 0) for m in members if m in procs):
+                jobs.abort(  # no survivor holds a copy, nor can decide the next membership
+                    "--elastic cannot recover in memory: every rank of the job was lost at once; "
+                    "resume from the newest complete checkpoint with --resume latest"
+                )
+            if all(p.exitcode is not None for p in procs.values()):
+                if finished():
+                    return 0
+                print("fullshard: every rank exited, some with an error", file=sys.stderr)
+                return 1
