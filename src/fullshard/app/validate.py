@@ -290,13 +290,14 @@ def _check_elastic(cfg: TrainConfig) -> None:
         raise ConfigError(f"--elastic-every must be at least 1, got {cfg.elastic_every}")
 
 
-def _check_global_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
-    """``--elastic`` without ``--deterministic``: the global batch is cut into micro-batches of
-    ``--micro-batch-size``, the same number on every rank."""
+def _micro_batches(cfg: TrainConfig, dims: ParallelDims, flag: str) -> int:
+    """The global sampler's micro-batch (``--deterministic``, ``--elastic``): set by
+    ``--micro-batch-size``, not ``--grad-accum``, and dividing the global batch."""
     if cfg.grad_accum != 1:
         raise ConfigError(
-            f"--elastic sets the micro-batches with --micro-batch-size, not --grad-accum "
-            f"{cfg.grad_accum}: drop --grad-accum"
+            f"{flag} sets the micro-batches with --micro-batch-size, not --grad-accum "
+            f"{cfg.grad_accum}: each rank runs --batch-size / (--micro-batch-size x ranks) of "
+            "them; drop --grad-accum"
         )
     micro = cfg.micro_batch(dims.dp)
     if micro < 1 or cfg.batch_size % micro:
@@ -304,6 +305,13 @@ def _check_global_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
             f"--micro-batch-size {cfg.micro_batch_size} does not divide --batch-size "
             f"{cfg.batch_size}: the global batch is cut into micro-batches of one size"
         )
+    return micro
+
+
+def _check_global_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
+    """``--elastic`` without ``--deterministic``: the global batch is cut into micro-batches of
+    ``--micro-batch-size``, the same number on every rank."""
+    micro = _micro_batches(cfg, dims, "--elastic")
     count = cfg.batch_size // micro
     if count % dims.world:
         worlds = ", ".join(str(w) for w in range(1, count + 1) if count % w == 0)
@@ -325,18 +333,7 @@ def _check_deterministic(cfg: TrainConfig, dims: ParallelDims) -> None:
             "--deterministic with --mixed-precision fp16 is not supported (its loss scale is a "
             "per-run state the fixed order does not cover): use bf16 or none"
         )
-    if cfg.grad_accum != 1:
-        raise ConfigError(
-            f"--deterministic sets the micro-batches with --micro-batch-size, not --grad-accum "
-            f"{cfg.grad_accum}: each rank runs --batch-size / (--micro-batch-size x ranks) of "
-            "them; drop --grad-accum"
-        )
-    micro = cfg.micro_batch(dims.dp)
-    if micro < 1 or cfg.batch_size % micro:
-        raise ConfigError(
-            f"--micro-batch-size {cfg.micro_batch_size} does not divide --batch-size "
-            f"{cfg.batch_size}: the global batch is cut into micro-batches of one size"
-        )
+    micro = _micro_batches(cfg, dims, "--deterministic")
     from fullshard.deterministic import MicroBatches
 
     plan = MicroBatches(cfg.batch_size, micro)
