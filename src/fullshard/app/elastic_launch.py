@@ -122,12 +122,11 @@ def launch_elastic(
         for p in procs.values():
             p.join(10)
 
-    def finished() -> bool:
-        """Every process has exited, and every member of the newest generation with 0."""
-        if any(p.exitcode is None for p in procs.values()):
-            return False
-        record = jobs.generation(jobs.latest()) or {"members": list(procs)}
-        return all(procs[m].exitcode == 0 for m in record["members"] if m in procs)
+    def newest_members() -> list[Any]:
+        """The processes of the newest generation (all of them before the first is written)."""
+        record = jobs.generation(jobs.latest())
+        members = list(procs) if record is None else record["members"]
+        return [procs[m] for m in members if m in procs]
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="fullshard-elastic-") as tmp:
@@ -154,10 +153,12 @@ def launch_elastic(
                 stop_all()
                 print(f"fullshard: {aborted}", file=sys.stderr)
                 return 1
+            lost_now = False
             for member, p in list(procs.items()):
                 if p.exitcode in (None, 0) or member in reported:
                     continue
                 reported.add(member)
+                lost_now = True
                 print(
                     f"fullshard: member {member} (pid {p.pid}) exited with status {p.exitcode}; "
                     "the other ranks keep running",
@@ -171,15 +172,13 @@ def launch_elastic(
                 new = jobs.new_member_ids(1)
                 jobs.report_exit(member, p.exitcode, new)
                 start(new, slots[member], member)
-            newest = jobs.generation(jobs.latest())
-            members = [] if newest is None else newest["members"]
-            if members and all(procs[m].exitcode not in (None, 0) for m in members if m in procs):
+            if lost_now and all(p.exitcode not in (None, 0) for p in newest_members()):
                 jobs.abort(  # no survivor holds a copy, nor can decide the next membership
                     "--elastic cannot recover in memory: every rank of the job was lost at once; "
                     "resume from the newest complete checkpoint with --resume latest"
                 )
             if all(p.exitcode is not None for p in procs.values()):
-                if finished():
+                if all(p.exitcode == 0 for p in newest_members()):
                     return 0
                 print("fullshard: every rank exited, some with an error", file=sys.stderr)
                 return 1

@@ -74,7 +74,7 @@ def world_rules(
 
     def layout(world: int) -> Layout:
         d = dims_at(dims, world)
-        keys = d.shard_group() * d.tp
+        keys = d.shard_group()  # (no --tp with --elastic)
         node = d.local_world
         return Layout(keys, node if world > node and world % node == 0 else 1)
 

@@ -296,10 +296,7 @@ class Manager:
         """Whether processes wait to join that the next boundary can admit (enough of them
         for a world the job accepts)."""
         members = [] if self.membership is None else self.membership.members
-        exits = self.jobs.exits()
-        waiting = [
-            j for j in self.jobs.joins() if j.member not in members and j.member not in exits
-        ]
+        waiting = self.jobs.waiting(members, self.jobs.exits())
         return admission(members, waiting, self.accepts) is not None
 
     def close(self) -> None:
@@ -417,7 +414,7 @@ class Manager:
         """Decide generation ``target`` from the check-ins and write it (this rank is the
         survivor of lowest rank); ``False`` when no world the job accepts can be formed yet
         (joiners may still come, until the timeout: ``late``)."""
-        joiners = [j for j in self.jobs.joins() if j.member not in old and j.member not in exits]
+        joiners = self.jobs.waiting(old, exits)
         layouts = {int(g): n for r in ready.values() for g, n in r["held"]["layouts"].items()}
 
         def covered(kept: list[int]) -> bool:
@@ -442,9 +439,7 @@ class Manager:
         if m is None or m.rank != 0 or watcher is None or watcher.joins <= self._joins_seen:
             return
         self._joins_seen = watcher.joins
-        exits = self.jobs.exits()
-        waiting = [j for j in self.jobs.joins() if j.member not in m.members + list(exits)]
-        record = admission(m.members, waiting, self.accepts)
+        record = admission(m.members, self.jobs.waiting(m.members, self.jobs.exits()), self.accepts)
         if record is not None and self.jobs.write_generation(m.generation + 1, record):
             raise Regroup(f"admitting rank(s) {record['joined']}")
 

@@ -319,6 +319,10 @@ class JobStore:
             latest[r["member"]] = Joiner(r["member"], r.get("replaces"))
         return list(latest.values())
 
+    def waiting(self, members: list[int], exits: dict[int, Any]) -> list[Joiner]:
+        """The processes that asked to join, are not among ``members`` and did not exit."""
+        return [j for j in self.joins() if j.member not in members and j.member not in exits]
+
     # the end
     def abort(self, message: str) -> None:
         """End the whole job: every rank waiting on the store reads ``message``."""

@@ -96,7 +96,7 @@ class _Slot:
 
 
 def _view(flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
-    n = int(torch.Size(slot.shape).numel()) * torch.empty((), dtype=slot.dtype).element_size()
+    n = int(torch.Size(slot.shape).numel()) * slot.dtype.itemsize
     return flat[slot.offset : slot.offset + n].view(slot.dtype).view(slot.shape)
 
 
