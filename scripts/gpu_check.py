@@ -8,7 +8,11 @@ One command, a few minutes on one GPU:  ``python scripts/gpu_check.py``. Prints 
    a Hugging Face model (``hf:llama-tiny``), ``trace``, ``bench --mixed-precision bf16``,
    ``plan --check``, ``train`` on 2 ranks sharing the GPU over gloo, and ``train --elastic`` on
    them with rank 1 killed (under torch's CUDA sanitizer); each checks the exit status and the
-   files the command must write.
+   files the command must write. ``cli.device_step`` and ``cli.offload_step`` (issue 32) train 4
+   steps with the device-decided step (fused AdamW, a float32 device learning rate) and with
+   ``--cpu-offload`` (the host decides), learning rates and losses against a CPU run's;
+   ``det.slice_sums`` sums the same rows' squares at 8 to 512 rows on the GPU, bit for bit
+   (``--deterministic``'s gradient norm).
 2. ``nccl1.*``, ``gloo2.*``, ``gloo4.*``: parity of every strategy against one unsharded
    model, bf16, CPU offload and a sharded checkpoint save/load, in spawned ranks: NCCL with one
    GPU per rank (world size = visible GPUs), then 2 and 4 ranks all on ``cuda:0`` over gloo
@@ -299,6 +303,66 @@ def cli_elastic(cli: Cli) -> tuple[bool, str]:
     return ok, f"rank 1 lost and replaced in memory {changes}, rank 0 kept its process: {kept}"
 
 
+def _lrs_against_cpu(cli: Cli, name: str, *extra: str) -> tuple[bool, str]:
+    """4 logged steps on this device and the same on the CPU: the learning rates per step
+    (the device schedule's float32 against the host's float64) and the losses. On the CPU
+    (``--cpu``) the first run takes the CUDA path under the emulation."""
+    runs = {}
+    emulated = {"FULLSHARD_CUDA_EMULATION": "1"} if cli.device == "cpu" else {}
+    for label, device, env in (("device", cli.device, emulated), ("cpu", "cpu", {})):
+        proc = cli.run(
+            "train", "--model", "tiny", "--nproc", "1", "--device", device, "--max-steps", "4",
+            "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "2", "--log-every", "1",
+            "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+            "--timeout", "120", "--runs-dir", str(cli.runs), "--name", f"{name}-{label}", *extra,
+            env=env,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            return False, f"{label}: {_failed(proc)}"
+        runs[label] = [r for r in _records(cli.runs / f"{name}-{label}") if "lr" in r]
+    got, want = runs["device"], runs["cpu"]
+    steps_ok = [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
+    lr_err = max(abs(a["lr"] - b["lr"]) / b["lr"] for a, b in zip(got, want, strict=False))
+    loss_err = max(abs(a["loss"] - b["loss"]) for a, b in zip(got, want, strict=False))
+    ok = steps_ok and lr_err < 1e-6 and loss_err < 0.05
+    lrs = ", ".join(f"{r['lr']:.6g}" for r in got)
+    return ok, f"lr per step {lrs}; vs CPU: lr rel. err {lr_err:.1e}, loss err {loss_err:.4f}"
+
+
+def cli_device_step(cli: Cli) -> tuple[bool, str]:
+    """The device-decided step (fused AdamW with a device learning rate, float32 as its CUDA
+    kernel reads it): 4 steps, learning rates as the CPU run's."""
+    return _lrs_against_cpu(cli, "device-step")
+
+
+def cli_offload_step(cli: Cli) -> tuple[bool, str]:
+    """``--cpu-offload``: the host decides the step (a device lr or found_inf read by the host
+    kernel before its copy lands would corrupt it silently); learning rates and losses as on
+    the CPU."""
+    return _lrs_against_cpu(cli, "offload-step", "--cpu-offload")
+
+
+def det_slice_sums(cli: Cli) -> tuple[bool, str]:
+    """``--deterministic``'s per-slice sums of squares on this device: the same rows give the
+    same bits whatever the number of rows around them (as a rank's shard at 2 or 8 ranks). The
+    plain reduction kernel (``sum(dim=1)``) is shown beside it, for the record."""
+    from fullshard.deterministic import _slice_squares
+
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(512, 3000, generator=gen).to(cli.device)
+    ref = _slice_squares(full[:8], 0)
+    fixed = [_slice_squares(full[: 8 * k], 0)[:8] for k in (1, 4, 16, 64)]
+    plain = [full[: 8 * k].double().pow(2).sum(dim=1)[:8] for k in (1, 4, 16, 64)]
+    same = all(torch.equal(ref, f) for f in fixed)
+    plain_same = all(torch.equal(plain[0], x) for x in plain)
+    exact = full[:8].double().pow(2).sum(dim=1)
+    err = float(((ref - exact).abs() / exact).max())
+    return same and err < 1e-12, (
+        f"fixed tree: same bits at 8/32/128/512 rows {same} (rel. err {err:.1e}); "
+        f"sum(dim=1): same bits {plain_same}"
+    )
+
+
 CLI_CHECKS: dict[str, Check] = {
     "cli.train": cli_train,
     "cli.resume": cli_resume,
@@ -309,6 +373,9 @@ CLI_CHECKS: dict[str, Check] = {
     "cli.plan": cli_plan,
     "cli.share": cli_share,
     "cli.elastic": cli_elastic,
+    "cli.device_step": cli_device_step,
+    "cli.offload_step": cli_offload_step,
+    "det.slice_sums": det_slice_sums,
 }
 
 

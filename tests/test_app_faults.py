@@ -87,6 +87,35 @@ def test_on_the_cuda_path_the_device_skips_the_step_and_quiet_steps_never_sync(
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
 
 
+def test_cpu_offload_on_the_cuda_path_steps_on_the_host_with_the_host_read_inputs(
+    nan_run: Path, tmp_path: Path
+) -> None:
+    """--cpu-offload on the CUDA path: the optimizer's parameters live on the host, so the host
+    decides the step (NOTE [The step's verdict on the device]); a device learning rate or
+    found_inf handed to the host kernel would be read before its copy lands (the emulation's
+    NOTE [Kernel contracts] refuses it). Two host synchronisations per quiet step: the
+    offloaded gradients, and the step's verdict (which brings the clipping norm along). Every
+    bit as the host-decided run without offload (the same host AdamW on the same values)."""
+    common = ["--max-steps", "5", "--log-every", "4", "--save-every", "0", "--cpu-offload"]
+    ranks = _train(
+        [*common, "--runs-dir", str(tmp_path), "--name", "offload"],
+        fault="nan:rank=1:step=3",
+        emulated=True,
+    )
+    assert [r["status"] for r in ranks] == [0, 0], ranks
+    summary = json.loads((tmp_path / "offload" / "summary.json").read_text())
+    syncs = summary["host_syncs_per_step"]
+    print(f"\nhost syncs per step, --cpu-offload under the emulation: {syncs}")
+    assert summary["skipped_nonfinite"] == [3]
+    assert [syncs[str(s)] for s in (2, 3)] == [2, 2], syncs  # quiet steps, step 3 too
+    a = converted(nan_run / "checkpoints", tmp_path / "a.safetensors")
+    b = converted(tmp_path / "offload" / "checkpoints", tmp_path / "b.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    lrs = {r["step"]: r["lr"] for r in records(tmp_path / "offload") if "lr" in r}
+    assert sorted(lrs) == [1, 4, 5]
+    assert lrs == {r["step"]: r["lr"] for r in records(nan_run) if r.get("step") in lrs}
+
+
 def test_nan_with_on_nonfinite_stop_fails_every_rank_with_the_step(tmp_path: Path) -> None:
     ranks = _train(
         ["--max-steps", "4", "--on-nonfinite", "stop", "--runs-dir", str(tmp_path), "--name", "s"],

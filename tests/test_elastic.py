@@ -278,6 +278,9 @@ def test_the_cuda_path_recovers_with_no_ordering_error_and_no_host_sync_in_a_qui
     assert {s: n for s, n in syncs.items() if s not in ("1", "2", "8")} == dict.fromkeys(
         "34567", 0
     ), syncs
+    # --deterministic turns torch's deterministic algorithms on, but not its fill of every new
+    # tensor: each is written whole before it is read (NOTE [Kernel contracts])
+    assert summary["filled_bytes"] == 0
     # the CUDA path's own bits (fused AdamW), uninterrupted, on one rank
     ok = train_on_ranks([*COMMON, *quiet, "--runs-dir", str(tmp_path), "--name", "one"], world=1,
                         env={"FULLSHARD_FAULT": "", "FULLSHARD_CUDA_EMULATION": "1"})  # fmt: skip

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.comm import control
+from fullshard.comm.device import same_bits
 from fullshard.policies import FullshardError
 
 # DTensor and the engine are imported where they are used: ``fullshard train --deterministic``
@@ -57,6 +58,7 @@ __all__ = [
     "enable",
     "seed_micro_batch",
     "sum_over_micro_batches",
+    "total_norm",
 ]
 
 
@@ -225,11 +227,17 @@ def sum_over_micro_batches(
 
 def _slice_squares(local: torch.Tensor, dim: int) -> torch.Tensor:
     """Sums of squares of ``local``'s slices along ``dim`` (float64, one per slice): a slice is
-    never split between ranks, and each is summed by the same contiguous reduction at any
-    world size."""
+    never split between ranks, and each is summed in one elementwise tree fixed by the slice's
+    length alone. A reduction kernel (``sum(dim=1)``) would not do: on CUDA its order follows
+    its launch shape, which follows the number of slices this rank holds (NOTE [Kernel
+    contracts] in ``fullshard.testing``)."""
     rows = local.detach().movedim(dim, 0)
-    rows = rows.reshape(local.shape[dim], rows[0].numel() if len(rows) else 0)
-    return rows.double().pow(2).sum(dim=1)
+    rows = rows.reshape(local.shape[dim], rows[0].numel() if len(rows) else 0).double().pow(2)
+    while rows.shape[1] > 1:  # add the right half onto the left; an odd last column waits
+        half = rows.shape[1] // 2
+        pairs = rows[:, :half] + rows[:, half : 2 * half]
+        rows = torch.cat([pairs, rows[:, 2 * half :]], dim=1) if rows.shape[1] % 2 else pairs
+    return rows.reshape(-1) if rows.shape[1] else rows.new_zeros(rows.shape[0])
 
 
 def _shard_dim(p: torch.Tensor) -> tuple[int, dist.ProcessGroup] | None:
@@ -251,13 +259,11 @@ def _shard_dim(p: torch.Tensor) -> tuple[int, dist.ProcessGroup] | None:
     return shards[0].dim, unit.mesh.group
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``fullshard.clip_grad_norm_`` (2-norm) whose norm has the same bits at every world size:
-    each slice's sum of squares along the shard dimension is computed where it lives, gathered,
-    and the full vector of them summed in one fixed order. Returns the norm (float64)."""
+def total_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The gradients' global 2-norm (float64) with the same bits at every world size: each
+    slice's sum of squares along the shard dimension is computed where it lives, gathered, and
+    the full vector of them summed in one fixed order. The gradients are left as they are."""
     from torch.distributed.tensor import DTensor
-
-    from fullshard.engine.gradients import _by_device_and_dtype
 
     with_grad = [p for p in parameters if p.grad is not None]
     device = with_grad[0].grad.device if with_grad else torch.device("cpu")  # type: ignore[union-attr]
@@ -282,7 +288,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
                 f"{local.shape[dim]} here, not {mine}: not torch.chunk's split"
             )
         padded = torch.zeros(chunk, dtype=torch.float64, device=local.device)
-        padded[:mine] = _slice_squares(local, dim)
+        # the rows a rank holds depend on the world size: no reduction kernel over them
+        with same_bits("the fixed-order gradient norm's sums of a rank's slices"):
+            padded[:mine] = _slice_squares(local, dim)
         by_group.setdefault(group, []).append((j, padded, size))
     for group, items in by_group.items():
         rows = control.all_gather_values(
@@ -294,9 +302,15 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
             at += v.numel()
     squares = [x for x in pieces if x is not None]
     total = torch.cat(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
-    norm = total.sqrt()
-    limit = max_norm if max_norm > 0 else float("inf")
-    coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
-    for (dev, dtype), ts in _by_device_and_dtype([p.grad for p in with_grad]).items():  # type: ignore[misc]
-        torch._foreach_mul_(ts, coef.to(dev, dtype))
+    return total.sqrt()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``fullshard.clip_grad_norm_`` (2-norm) whose norm has the same bits at every world size
+    (:func:`total_norm`); ``max_norm <= 0`` only measures. Returns the norm (float64)."""
+    from fullshard.engine.gradients import scale_
+
+    with_grad = [p for p in parameters if p.grad is not None]
+    norm = total_norm(with_grad)
+    scale_(with_grad, max_norm if max_norm > 0 else float("inf"), norm)
     return norm

@@ -38,7 +38,10 @@ def test_the_device_schedule_counts_applied_steps_only_and_saves_as_lambda_lr() 
     for ok in (1.0, 1.0, 0.0, 1.0):  # the third step was skipped
         d.step(torch.tensor(ok, dtype=torch.float64))
     want = 0.5 * lr_lambda(3, warmup, total, ratio)
-    assert float(opt.param_groups[0]["lr"]) == pytest.approx(want, rel=1e-12)
+    # float32, as CUDA's fused AdamW reads a tensor lr (NOTE [Kernel contracts]); the count of
+    # applied steps stays float64
+    assert opt.param_groups[0]["lr"].dtype == torch.float32 and d.applied.dtype == torch.float64
+    assert float(opt.param_groups[0]["lr"]) == float(torch.tensor(want, dtype=torch.float32))
     with d.as_floats():
         assert sched.state_dict()["last_epoch"] == 3
         assert isinstance(opt.param_groups[0]["lr"], float)
@@ -46,5 +49,5 @@ def test_the_device_schedule_counts_applied_steps_only_and_saves_as_lambda_lr() 
     sched.last_epoch = 7  # as a checkpoint loads it
     d.reload()
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(
-        0.5 * lr_lambda(7, warmup, total, ratio), rel=1e-12
+        0.5 * lr_lambda(7, warmup, total, ratio), rel=1e-7
     )

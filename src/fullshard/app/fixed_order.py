@@ -21,10 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.deterministic
 from torch import nn
 
 from fullshard.app.data import eval_batches
 from fullshard.app.models import lm_loss
+from fullshard.comm.device import cuda_semantics
 from fullshard.deterministic import (
     GradientTree,
     MicroBatches,
@@ -73,10 +75,16 @@ class FixedOrderSteps:
         self.mine = list(self.plan.indices(rank, world))
         enable(model)
         self.tree = GradientTree(model.parameters(), self.plan, world)
-        if device.type == "cuda":
+        if cuda_semantics(device):
             # the kernels must not pick their reduction order at run time either (cuBLAS needs
             # a fixed workspace for that: CUBLAS_WORKSPACE_CONFIG, set by train() before CUDA)
             torch.use_deterministic_algorithms(True)
+            # which would also fill every new tensor (torch.empty: the flat gather and reduce
+            # buffers, --elastic's pinned copies), though each is written whole before it is
+            # read; no value read depends on uninitialised memory (the fill counter of
+            # NOTE [Kernel contracts] checks the first, the same bits at every world size the
+            # second)
+            torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
     def describe(self, seq_len: int) -> str:
         """The run line's words for the micro-batches."""

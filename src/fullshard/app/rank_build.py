@@ -128,8 +128,11 @@ def build_rank(
         )  # fmt: skip
         val, val_count = fixed.val_batches(val_tokens, cfg.seq_len, cfg.eval_batches)
     # NOTE [The step's verdict on the device]: on the CUDA path the device skips non-finite
-    # steps (fused AdamW's found_inf, a device schedule) and the host reads verdicts a step late
-    on_device = cuda_semantics(device) and fused_adamw_available(device)
+    # steps (fused AdamW's found_inf, a device schedule) and the host reads verdicts a step late.
+    # Not with --cpu-offload: the optimizer's parameters live on the host, whose kernel would
+    # read a device lr and found_inf before their copies land (NOTE [Kernel contracts]); the
+    # host waits for the gradients there anyway, and decides the step itself
+    on_device = cuda_semantics(device) and fused_adamw_available(device) and not cfg.cpu_offload
     opt = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,

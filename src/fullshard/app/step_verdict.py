@@ -23,6 +23,12 @@ that change the weights are taken on the device, and the host reads the rows one
 The effects: a non-finite step is reported (printed, logged) one step later, with its own step
 number; a stop signal stops the run one step later than on CPU, after a complete step and its
 checkpoint.
+
+Not with CPU offload: there the optimizer's parameters live on the host, and a host kernel
+given a device learning rate or ``found_inf`` would read them before their copies land (NOTE
+[Kernel contracts] in ``fullshard.testing``). The host must wait for the offloaded gradients at
+the end of backward anyway; it reads the step's row at once, as on CPU, and clips with the norm
+it read (two synchronisations per step).
 """
 
 from __future__ import annotations
@@ -170,10 +176,13 @@ class DeviceSchedule:
     ) -> None:
         self.opt, self.sched, self.multiplier = opt, sched, multiplier
         self.base = [float(b) for b in sched.base_lrs]
+        # the count of applied steps stays float64 (exact to 2**53); the learning rates are
+        # float32, because CUDA's fused AdamW reads a tensor lr through a float pointer
+        # (NOTE [Kernel contracts] in fullshard.testing: a float64 one stops the first step)
         self.applied = torch.full((), float(sched.last_epoch), dtype=torch.float64, device=device)
         self.lrs = []
         for group in opt.param_groups:
-            lr = torch.tensor(float(group["lr"]), dtype=torch.float64).to(device)
+            lr = torch.full((), float(group["lr"]), dtype=torch.float32, device=device)
             group["lr"] = lr
             self.lrs.append(lr)
 

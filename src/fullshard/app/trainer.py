@@ -200,7 +200,7 @@ def _train(
         sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
         val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
 
-    from fullshard.app.wrap import clip_gradients
+    from fullshard.app.wrap import clip_gradients, gradient_norm
 
     b = build_rank(cfg, dims, tokenizer, rank, world, device, val_tokens)
     model, plan, fixed, opt, sched = b.model, b.plan, b.fixed, b.opt, b.sched
@@ -303,7 +303,7 @@ def _train(
                     loss_sum = _accumulate(model, sampler, cfg.grad_accum, device, scaler, poison)
                 if scaler is not None:
                     scaler.unscale_(opt)
-                norm = clip_gradients(model.parameters(), cfg.clip, fixed_order=fixed is not None)
+                norm = gradient_norm(model.parameters(), fixed_order=fixed is not None)
                 figures = torch.stack(
                     [loss_sum, norm.detach().to(device, torch.float64).reshape(())]
                 )
@@ -325,6 +325,7 @@ def _train(
                 )
                 lr = sched.get_last_lr()[0] if dsched is None else dsched.lrs[0].clone()
                 if dsched is not None:  # the device decides: skipped there, schedule included
+                    clip_gradients(model.parameters(), cfg.clip, norm)
                     if scaler is not None:
                         scaler.step(opt)
                         scaler.update()
@@ -337,7 +338,9 @@ def _train(
                 # this step's own verdict is known now on CPU, and on urgent steps on the device
                 bad = bad and (urgent or verdicts.lag == 0)
                 preempted = book.preempted
-                if dsched is None:
+                if dsched is None:  # the host decides, with the norm it has read
+                    if scaler is not None or not bad:
+                        clip_gradients(model.parameters(), cfg.clip, book.grad_norm)
                     if scaler is not None:
                         scaler.step(opt)
                         scaler.update()
@@ -496,6 +499,8 @@ def _train(
     if emulation.is_active():
         host_syncs[str(step)] = sum(emulation.sync_counts().values())  # with the final save
         summary["host_syncs_per_step"] = host_syncs
+        # bytes torch filled in new tensors (deterministic mode's fill; NOTE [Kernel contracts])
+        summary["filled_bytes"] = sum(emulation.fill_counts().values())
     if rank == 0 and run_dir is not None and log is not None:
         log.close()
         (run_dir / "summary.json").write_text(

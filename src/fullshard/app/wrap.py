@@ -18,10 +18,10 @@ from fullshard import (
     CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
-    clip_grad_norm_,
     fully_shard,
 )
 from fullshard.app.dims import ParallelDims
+from fullshard.engine.gradients import scale_, total_norm
 from fullshard.engine.parallelize import (
     _checkpoint_forward,
     apply_plan,
@@ -34,6 +34,7 @@ from fullshard.policies import FullshardError
 __all__ = [
     "MIXED_PRECISION_DTYPES",
     "clip_gradients",
+    "gradient_norm",
     "convert_float8",
     "float8_missing",
     "set_gradient_sync",
@@ -199,19 +200,23 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def clip_gradients(
-    parameters: Iterable[torch.Tensor], max_norm: float, *, fixed_order: bool = False
-) -> torch.Tensor:
-    """Clip the global gradient norm across all ranks' shards; returns the norm before clipping.
-
-    With ``max_norm <= 0`` only measures (clipping to infinity). Call on every rank: the norm is
-    a collective over the shards. The norm stays a tensor on the gradients' device: reading it
-    is the caller's one synchronisation of the step. ``fixed_order``: the norm of
-    ``fullshard.deterministic`` (the same bits at every world size).
-    """
+def gradient_norm(parameters: Iterable[torch.Tensor], *, fixed_order: bool = False) -> torch.Tensor:
+    """The global 2-norm of the gradients across all ranks' shards (float64, on the device the
+    collectives run on); the gradients are left as they are. Call on every rank: the norm is a
+    collective over the shards. ``fixed_order``: the norm of ``fullshard.deterministic`` (the
+    same bits at every world size)."""
     if fixed_order:
-        from fullshard.deterministic import clip_grad_norm_ as fixed_order_clip
+        from fullshard.deterministic import total_norm as fixed_order_norm
 
-        return fixed_order_clip(parameters, max_norm)
-    limit = max_norm if max_norm > 0 else float("inf")
-    return clip_grad_norm_(list(parameters), limit)
+        return fixed_order_norm(parameters)
+    return total_norm(list(parameters))
+
+
+def clip_gradients(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm: torch.Tensor | float
+) -> None:
+    """Scale the gradients to a global norm of at most ``max_norm`` (``<= 0``: no clipping),
+    given their ``norm`` from :func:`gradient_norm`: the device tensor itself (nothing is read
+    on the host), or the float the host has read (gradients on the host, CPU offload)."""
+    if max_norm > 0:
+        scale_(parameters, max_norm, norm)

@@ -38,6 +38,7 @@ __all__ = [
     "current_stream",
     "new_event",
     "new_stream",
+    "same_bits",
     "synchronize",
     "use_stream",
 ]
@@ -170,3 +171,11 @@ def new_event() -> Any:
     if emulation.is_active():
         return emulation.VirtualEvent()
     return torch.cuda.Event()
+
+
+def same_bits(what: str) -> contextlib.AbstractContextManager[Any]:
+    """A block whose results must have the same bits whatever the shapes of its device tensors
+    (the rows a rank holds, at any world size): under the CUDA emulation a reduction there
+    raises, because a CUDA reduction's order follows its launch shape (NOTE [Kernel contracts]
+    in ``fullshard.testing``); elsewhere it does nothing."""
+    return emulation.same_bits(what)

@@ -62,11 +62,20 @@ def _local(grads: list[torch.Tensor], norm_type: float, device: torch.device) ->
     for ts in _by_device_and_dtype(grads).values():
         if math.isinf(norm_type):
             norms = torch._foreach_norm(ts, math.inf)
-            total = torch.maximum(total, torch.stack(norms).max().double().to(device))
+            total = torch.maximum(total, _onto(torch.stack(norms).max().double(), ts, device))
         else:
             norms = torch._foreach_norm(ts, norm_type, dtype=torch.float64)
-            total += torch.stack(norms).pow(norm_type).sum().to(device)
+            total += _onto(torch.stack(norms).pow(norm_type).sum(), ts, device)
     return total
+
+
+def _onto(part: torch.Tensor, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``part`` (computed where ``grads`` live) on ``device``. From offloaded gradients in
+    pinned memory it goes through a pinned buffer, asynchronously: a pageable host-to-GPU copy
+    would make the host wait for the device (a synchronisation every step)."""
+    if grads[0].is_pinned():
+        return part.pin_memory().to(device, non_blocking=True)
+    return part.to(device)
 
 
 def _by_device_and_dtype(grads: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
@@ -79,24 +88,29 @@ def _by_device_and_dtype(grads: list[torch.Tensor]) -> dict[Any, list[torch.Tens
     return out
 
 
-def clip_grad_norm_(
-    parameters: torch.Tensor | Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
+def total_norm(
+    parameters: torch.Tensor | Iterable[torch.Tensor], norm_type: float = 2.0
 ) -> torch.Tensor:
-    """Clip gradients of (sharded) parameters by their global norm; returns that norm.
-
-    Call it on every rank with the same parameters: it communicates once per process group.
-    """
+    """The global ``norm_type``-norm of the (sharded) parameters' gradients, float64 on the
+    device its collectives run on; the gradients are left as they are. Call it on every rank with the same
+    parameters: it communicates once per process group."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     with_grad = [p for p in params if p.grad is not None]
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
-    device = with_grad[0].device if with_grad else torch.device("cpu")
+    groups = _groups(with_grad)
+    # the norm stays where the collectives run: with gradients offloaded to the host, putting
+    # it on their device would copy it back to the host (blocking) every step
+    device = (
+        next(iter(groups.values()))[0]
+        if groups
+        else with_grad[0].device
+        if with_grad
+        else torch.device("cpu")
+    )
     total = torch.zeros((), dtype=torch.float64, device=device)
     sharded_ids: set[int] = set()
-    for (group, tp_group), (comm_device, ps) in _groups(with_grad).items():
+    for (group, tp_group), (comm_device, ps) in groups.items():
         sharded_ids.update(id(p) for p in ps)
         part = _local([p.grad for p in ps if p.grad is not None], norm_type, comm_device)
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
@@ -114,12 +128,44 @@ def clip_grad_norm_(
             [g.full_tensor() if isinstance(g, DTensor) else g for g in rest], norm_type, device
         )
         total = torch.maximum(total, part) if inf else total + part
-    norm = total if inf else total ** (1.0 / norm_type)
+    return total if inf else total ** (1.0 / norm_type)
+
+
+def scale_(parameters: Iterable[torch.Tensor], max_norm: float, norm: torch.Tensor | float) -> None:
+    """Multiply the parameters' gradients by ``min(1, max_norm / (norm + 1e-6))``: one foreach
+    multiply per device and dtype. ``norm``: a device tensor (nothing is read on the host), or
+    a float the host has read already; with gradients on the host (CPU offload) the latter
+    avoids copying the coefficient from the device, which would make the host wait for it."""
+    on_device = isinstance(norm, torch.Tensor)
+    if isinstance(norm, torch.Tensor):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    else:  # the same float64 arithmetic, on the host
+        coef = torch.tensor(min(max_norm / (norm + 1e-6), 1.0), dtype=torch.float64)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    for (dev, dtype), ts in _by_device_and_dtype(grads).items():
+        if on_device and ts[0].is_pinned():
+            # offloaded gradients: the host kernel needs the value (a blocking copy, as FSDP2's)
+            torch._foreach_mul_(ts, coef.cpu().to(dtype))
+        else:  # on one device already: a cast only (to(dev) would be read as a copy there)
+            torch._foreach_mul_(ts, coef.to(dtype) if coef.device == dev else coef.to(dev, dtype))
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip gradients of (sharded) parameters by their global norm; returns that norm.
+
+    Call it on every rank with the same parameters: it communicates once per process group.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    with_grad = [p for p in params if p.grad is not None]
+    norm = total_norm(with_grad, norm_type)
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(f"the total norm of gradients is non-finite ({norm.item()})")
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for (dev, dtype), ts in _by_device_and_dtype([p.grad for p in with_grad]).items():  # type: ignore[misc]
-        torch._foreach_mul_(ts, coef.to(dev, dtype))
+    scale_(with_grad, max_norm, norm)
     return norm.to(
         with_grad[0].grad.dtype if with_grad and with_grad[0].grad is not None else torch.float32
     )

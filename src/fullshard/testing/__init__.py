@@ -18,20 +18,26 @@ from fullshard._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the real imports, for type checkers and IDEs
     from fullshard.testing.emulation import (
+        KernelContractError,
         StreamOrderError,
         VirtualEvent,
         VirtualStream,
         cuda_emulation,
         enabled_from_env,
+        fill_counts,
+        same_bits,
         sync_counts,
     )
 
 __all__ = [
+    "KernelContractError",
     "StreamOrderError",
     "VirtualEvent",
     "VirtualStream",
     "cuda_emulation",
     "enabled_from_env",
+    "fill_counts",
+    "same_bits",
     "sync_counts",
 ]
 

@@ -22,6 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fullshard.testing import _emulation_contracts as contracts
+
 HOST = 0  # the host's timeline
 DEVICE, HOST_MEMORY, PINNED = "device", "host", "pinned"  # what a storage is
 
@@ -29,7 +31,7 @@ aten = torch.ops.aten
 _FACTORY = re.compile(r"(new_.*|.*_like)$")  # their tensor inputs give only metadata
 _SKIP_NAMESPACES = frozenset({"c10d", "_c10d_functional"})  # see emulated_collective
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-OWN_FILES = {__file__}  # not call sites (emulation.py adds itself)
+OWN_FILES = {__file__, contracts.__file__}  # not call sites (emulation.py adds itself)
 ORIGINAL_RESIZE = torch.UntypedStorage.resize_
 
 _EMU: Emulation | None = None
@@ -106,6 +108,8 @@ class Emulation:
         self.compute = self.current = VirtualStream("compute", _emulation=self)
         # objects the code under test keeps per emulation (the engine's virtual streams)
         self.owned: dict[Any, Any] = {}
+        # open same_bits() blocks, innermost last (NOTE [Kernel contracts]: no reductions)
+        self.same_bits: list[str] = []
 
     # -- timelines ------------------------------------------------------------------------
     def timeline(self, name: str) -> int:
@@ -455,6 +459,7 @@ class DispatchMode(TorchDispatchMode):
         if emu.paused or func.namespace in _SKIP_NAMESPACES or func is aten.record_stream.default:
             return func(*args, **kwargs)
         emu.raise_pending()
+        contracts.check(emu, func, args, kwargs)  # NOTE [Kernel contracts]
         schema = func._schema
         factory = bool(_FACTORY.match(schema.name.split("::")[-1]))
         reads: list[torch.Tensor] = []
@@ -473,6 +478,7 @@ class DispatchMode(TorchDispatchMode):
         # check before running: an op that raises has not happened
         emu.access(str(func), tid, reads, writes)
         out = func(*args, **kwargs)
+        contracts.count_fill(func, out, _call_site)
         values = (out,) if len(schema.returns) == 1 else out
         made = [
             t

@@ -47,6 +47,11 @@ What is emulated:
   waits for the issuing stream, become visible to a stream when it calls ``wait()``, and their
   handle holds their tensors until then.
 - *Host synchronisations* are counted by kind and call site (``sync_counts``).
+- *Kernel contracts* (NOTE [Kernel contracts], ``_emulation_contracts.py``): the ops whose CUDA
+  kernels refuse (or misread) what their CPU twins accept check the CUDA preconditions before
+  they run (fused optimizers, AMP's unscale and scale update, foreach ops, collectives, and no
+  reduction inside ``same_bits()``), raising ``KernelContractError``; torch's deterministic fill
+  of new tensors is counted (``fill_counts``).
 
 Against torch's sanitizer: the same clocks and checks for stream accesses (its "kernel launch"
 is our stream op, its stream-creation, event and synchronisation callbacks are our
@@ -96,7 +101,9 @@ from typing import Any
 
 import torch
 
+from fullshard.testing import _emulation_contracts as contracts
 from fullshard.testing import _emulation_core as core
+from fullshard.testing._emulation_contracts import KernelContractError, fill_counts
 from fullshard.testing._emulation_core import (
     DEVICE,
     HOST,
@@ -114,6 +121,7 @@ from fullshard.testing._emulation_core import (
 __all__ = [
     "Emulation",
     "EmulatedWork",
+    "KernelContractError",
     "StreamOrderError",
     "VirtualEvent",
     "VirtualStream",
@@ -126,11 +134,13 @@ __all__ = [
     "default_stream",
     "emulated_collective",
     "emulated_pinned",
-    "in_host_memory",
     "enabled_from_env",
+    "fill_counts",
+    "in_host_memory",
     "is_active",
     "name_tensor",
     "reset_sync_counts",
+    "same_bits",
     "stream",
     "sync_counts",
     "synchronize",
@@ -231,6 +241,8 @@ def emulated_collective(
     if tid is None:
         tid = emu.collective_timelines[issuer.tid] = emu.timeline(f"{issuer.name} (collective)")
     merge(emu.launch(tid), emu.launch(issuer.tid))
+    if emu.all_device:  # NCCL's own checks (NOTE [Kernel contracts])
+        contracts.check_collective(emu, name, [*inputs, *outputs])
     for t in [*inputs, *outputs]:
         if emu.kind(t) == HOST_MEMORY:
             emu.mark(t, DEVICE)
@@ -309,6 +321,22 @@ def sync_counts() -> dict[tuple[str, str], int]:
 
 def reset_sync_counts() -> None:
     core.reset_counts()
+
+
+@contextlib.contextmanager
+def same_bits(what: str) -> Iterator[None]:
+    """A block whose results must have the same bits whatever the shapes of its device
+    tensors (the rows a rank holds): under an emulation, a reduction there raises
+    ``KernelContractError`` (NOTE [Kernel contracts]); outside one, nothing."""
+    emu = core.active()
+    if emu is None:
+        yield
+        return
+    emu.same_bits.append(what)
+    try:
+        yield
+    finally:
+        emu.same_bits.pop()
 
 
 # -- entry points -------------------------------------------------------------------------------
@@ -391,6 +419,7 @@ def cuda_emulation(*, all_device: bool = False) -> Iterator[Emulation]:
     emu = Emulation(all_device)
     core.activate(emu)
     reset_sync_counts()
+    contracts.reset_fill_counts()
     torch.UntypedStorage.resize_ = _resize_storage  # type: ignore[method-assign,assignment]
     try:
         with core.DispatchMode(emu), core.FunctionMode(emu) as mode, _backward_sees(mode):
