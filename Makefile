@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 # their forkservers at once): read back even where a shell outside make sets
 # PYTHONDONTWRITEBYTECODE
 $(WARM): $(STAMP)
-	$(PY) -c 'import torch.distributed.tensor, torch.distributed.checkpoint, torch._dynamo, transformers, fullshard.app.trainer, fullshard.app.cli, pytest, xdist'
+	$(PY) -c 'import torch.distributed.tensor, torch.distributed.checkpoint, torch._dynamo, transformers, fullshard.app.train.trainer, fullshard.app.cli, pytest, xdist'
 	touch $(WARM)
 
 demo: $(STAMP)

@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fullshard import get_state_dict, set_state_dict
-from fullshard.app.models import build_model, count_params, lm_loss, unit_types_of
-from fullshard.app.wrap import shard_model
+from fullshard.app.models.gpt import build_model, count_params, lm_loss, unit_types_of
+from fullshard.app.models.wrap import shard_model
 from fullshard.checkpoint import CheckpointManager
 
 

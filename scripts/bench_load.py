@@ -58,9 +58,9 @@ def _worker(rank: int, world: int, store: str, folder: str, mode: str, results: 
     import torch.distributed as dist
     import transformers  # noqa: F401  # imported before the baseline: both methods need it
 
-    from fullshard.app.hf import build_hf_model
-    from fullshard.app.models import unit_types_of
-    from fullshard.app.wrap import shard_model
+    from fullshard.app.models.gpt import unit_types_of
+    from fullshard.app.models.hf import build_hf_model
+    from fullshard.app.models.wrap import shard_model
 
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     baseline = _peak_mib()

@@ -42,7 +42,7 @@ def _variants(model_name: str) -> dict[str, list[nn.Parameter]]:
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
     from fullshard import fully_shard
-    from fullshard.app.models import build_model, unit_types_of
+    from fullshard.app.models.gpt import build_model, unit_types_of
 
     out: dict[str, list[nn.Parameter]] = {}
     for name, shard in (("fullshard", fully_shard), ("fsdp2", fsdp2_shard)):

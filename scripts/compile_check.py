@@ -52,8 +52,8 @@ COUNTED = (*COMPILED, "fsdp2 whole")  # torch's FSDP2 under torch.compile(model)
 
 def _build(args: argparse.Namespace, variant: str) -> tuple[nn.Module, nn.Module]:
     """(the module to call, the sharded model) of one variant."""
-    from fullshard.app.models import build_model, unit_types_of
-    from fullshard.app.wrap import shard_model
+    from fullshard.app.models.gpt import build_model, unit_types_of
+    from fullshard.app.models.wrap import shard_model
 
     model = build_model(args.model, VOCAB, seed=0, device="cpu")
     types = unit_types_of(model)
@@ -77,7 +77,7 @@ def _build(args: argparse.Namespace, variant: str) -> tuple[nn.Module, nn.Module
 
 
 def _step(run: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> float:
-    from fullshard.app.models import lm_loss
+    from fullshard.app.models.gpt import lm_loss
 
     loss = lm_loss(run, batch)
     loss.backward()
@@ -118,7 +118,7 @@ def _count(args: argparse.Namespace, variant: str, batches: list[torch.Tensor]) 
 
 
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: str) -> None:
-    from fullshard.app.bench_variants import make_batches
+    from fullshard.app.commands.bench_variants import make_batches
     from fullshard.engine.hooks import FSDPState
 
     torch.set_num_threads(args.threads)

@@ -43,7 +43,7 @@ from fullshard import (
     parallelize,
     set_state_dict,
 )
-from fullshard.app.models import lm_loss
+from fullshard.app.models.gpt import lm_loss
 from fullshard.checkpoint import CheckpointManager
 from fullshard.comm import control
 from fullshard.policies import STRATEGY_NAMES

@@ -59,7 +59,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm_  # noqa: E402
-from fullshard.app.models import lm_loss  # noqa: E402
+from fullshard.app.models.gpt import lm_loss  # noqa: E402
 
 BF16_OFFLOAD = "bf16_offload"
 BF16_STEPS = 4

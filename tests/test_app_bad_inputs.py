@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import fullshard.app.bench as bench_module
-import fullshard.app.launch as launch_module
+import fullshard.app.commands.bench as bench_module
+import fullshard.app.launch.local as launch_module
 from fullshard.app.cli import build_parser, main
-from fullshard.app.config import TrainConfig
-from fullshard.app.data import RankBatches, split_for_rank
-from fullshard.app.validate import (
+from fullshard.app.commands.validate import (
     validate_bench,
     validate_plan_check,
     validate_trace,
     validate_train,
 )
+from fullshard.app.config import TrainConfig
+from fullshard.app.data.corpus import RankBatches, split_for_rank
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is visible")
@@ -320,7 +320,7 @@ def test_sharding_options_pass(workdir: Path, world: int, extra: dict) -> None:
 def test_float8_cannot_reshard_to_a_smaller_group(
     workdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fullshard.app.wrap as wrap
+    import fullshard.app.models.wrap as wrap
 
     monkeypatch.setattr(wrap, "float8_missing", lambda: "")  # as if torchao were installed
     cfg = TrainConfig(float8=True, reshard_after_forward="2")

@@ -55,7 +55,7 @@ def main_in_process(
     deadline ends its process."""
     import functools
 
-    import fullshard.app.launch as launch
+    import fullshard.app.launch.local as launch
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
@@ -217,7 +217,7 @@ def test_no_progress_bar_lines_in_pipes_but_plain_log_lines(runs: Path) -> None:
 
 
 def test_progress_bar_only_on_a_terminal() -> None:
-    from fullshard.app.trainer import progress_bar
+    from fullshard.app.train.trainer import progress_bar
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from fullshard.app.cli import build_parser
+from fullshard.app.commands.validate import validate_train as validate
 from fullshard.app.config import (
     ConfigError,
     TrainConfig,
@@ -20,7 +21,6 @@ from fullshard.app.config import (
     to_toml,
 )
 from fullshard.app.dims import ParallelDims
-from fullshard.app.validate import validate_train as validate
 
 
 def resolve(argv: list[str]) -> TrainConfig:

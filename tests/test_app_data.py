@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fullshard.app.data import (
+from fullshard.app.data.corpus import (
     ByteTokenizer,
     RankBatches,
     build_tokenizer,

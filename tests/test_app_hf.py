@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fullshard.app.models import build_model, count_params, model_context_length, unit_types_of
+from fullshard.app.models.gpt import build_model, count_params, model_context_length, unit_types_of
 
 transformers = pytest.importorskip("transformers")
 
-from fullshard.app.hf import HF_CONFIGS, build_hf_model, find_decoder_layers  # noqa: E402
+from fullshard.app.models.hf import HF_CONFIGS, build_hf_model, find_decoder_layers  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
@@ -85,7 +85,7 @@ def _save_llama(folder: Path, *, tie: bool, max_shard_size: str = "5GB") -> Path
 
 
 def _lazy_vs_full(rank: int, world: int, folder: str) -> dict:
-    from fullshard.app.wrap import shard_model
+    from fullshard.app.models.wrap import shard_model
 
     lazy = build_model(f"hf:{folder}", 256, lazy_weights=True)
     on_meta = all(p.is_meta for p in lazy.parameters())

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from fullshard.app import launch
 from fullshard.app.errors import ConfigError
+from fullshard.app.launch import local as launch
 
 
 @pytest.fixture
@@ -226,7 +226,7 @@ def test_a_forked_rank_that_raises_prints_its_traceback_and_fails(tmp_path: Any)
     # (its server preloads nothing: the traceback does not depend on it, and the training
     # rank's imports cost seconds of CPU)
     code = (
-        "import sys; from fullshard.app import launch; launch.RANK_PRELOAD.clear(); "
+        "import sys; from fullshard.app.launch import local as launch; launch.RANK_PRELOAD.clear(); "
         "sys.exit(launch.launch_local(2, ['fake', 'raise'], module='fake_rank'))"
     )
     proc = subprocess.run(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fullshard.app.models import (
+from fullshard.app.models.gpt import (
     GPT,
     MODEL_SIZES,
     Block,

@@ -2,7 +2,7 @@
 every rank after the same step with a complete checkpoint and status 75; the checkpoint holds
 exactly what the uninterrupted run holds after that step (model, optimizer, scheduler, data
 position), so ``--resume latest`` continues bit for bit (NOTE [Preemption] in
-fullshard.app.preempt). That a resume from a run's own stop checkpoint equals the uninterrupted
+fullshard.app.launch.preempt). That a resume from a run's own stop checkpoint equals the uninterrupted
 run, bit for bit, is tests/test_app_resume.py's (the same checkpoint, saved at the stop by the
 same code)."""
 
@@ -26,7 +26,7 @@ import torch
 from test_app_cli import records, train_on_ranks
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from fullshard.app.preempt import PREEMPTED_EXIT, AgentSignals, StopSignals, signal_name
+from fullshard.app.launch.preempt import PREEMPTED_EXIT, AgentSignals, StopSignals, signal_name
 from fullshard.checkpoint import verify
 
 # launches the CLI or torchrun as subprocesses: the top of the test pyramid

@@ -13,7 +13,12 @@ from typing import Any
 
 import pytest
 
-from fullshard.app.bench import add_bench_arguments, default_variants, main_bench, parse_variants
+from fullshard.app.commands.bench import (
+    add_bench_arguments,
+    default_variants,
+    main_bench,
+    parse_variants,
+)
 
 # launches the CLI or torchrun as subprocesses: the top of the test pyramid
 pytestmark = pytest.mark.e2e
@@ -141,7 +146,7 @@ def test_external_torchrun_writes_a_timing_report(tmp_path: Path) -> None:
         "--standalone",
         "--nproc-per-node=2",
         "-m",
-        "fullshard.app.bench",
+        "fullshard.app.commands.bench",
         "--model=tiny",
         "--variants=no_shard,single",
         "--batch-size=2",

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 from test_app_cli import converted, train_on_ranks
 
-from fullshard.app import elastic_launch
 from fullshard.app.cli import main
+from fullshard.app.launch import elastic as elastic_launch
 from fullshard.elastic import Joiner, Unrecoverable, choose_boundary, decide, merge_pieces
 from fullshard.elastic.membership import Decision, admission, after_loss
 

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 def _export(rank: int, world: int, out: str) -> dict:
     from fullshard import parallelize
-    from fullshard.app.hf import build_hf_model
+    from fullshard.app.models.hf import build_hf_model
     from fullshard.checkpoint import export_safetensors, full_state_dict
 
     model = build_hf_model("llama-tiny", 256, seed=0)

@@ -430,8 +430,8 @@ def test_deferred_checks_report_a_desync_at_the_next_step_on_every_rank() -> Non
 
 
 def _unit_codes(rank: int, world: int) -> dict:
-    from fullshard.app.models import build_model, unit_types_of
-    from fullshard.app.wrap import shard_model
+    from fullshard.app.models.gpt import build_model, unit_types_of
+    from fullshard.app.models.wrap import shard_model
 
     model = build_model("gpt2-124m", 256, seed=0, device="meta")
     shard_model(model, "full_shard", unit_types_of(model))

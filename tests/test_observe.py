@@ -176,8 +176,8 @@ def _tracker_and_profiler(rank: int, world: int, strategy: str) -> dict:
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from fullshard.app.models import build_model, unit_types_of
-    from fullshard.app.wrap import shard_model
+    from fullshard.app.models.gpt import build_model, unit_types_of
+    from fullshard.app.models.wrap import shard_model
 
     gen = torch.Generator().manual_seed(rank)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

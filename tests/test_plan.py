@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fullshard.app.cli import main
-from fullshard.app.models import build_model, count_params, lm_loss, unit_types_of
-from fullshard.app.plan_cli import make_plan, plan_builtin
+from fullshard.app.commands.plan import make_plan, plan_builtin
+from fullshard.app.models.gpt import build_model, count_params, lm_loss, unit_types_of
 from fullshard.comm.desync import TAG_LEN
 from fullshard.engine.sharding import hybrid_shard_size
 from fullshard.plan import (

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-import fullshard.app.corpus_stream as corpus_stream
-import fullshard.app.launch as launch_module
+import fullshard.app.data.corpus_stream as corpus_stream
+import fullshard.app.launch.local as launch_module
 from fullshard.app.cli import main
-from fullshard.app.data import (
+from fullshard.app.data.corpus import (
     ByteTokenizer,
     HFTokenizer,
     RankBatches,
@@ -30,9 +30,9 @@ from fullshard.app.data import (
     load_text,
     split_for_rank,
 )
+from fullshard.app.data.prepare import PrepareOptions, prepare
+from fullshard.app.data.token_shards import INDEX, TokenShards
 from fullshard.app.errors import ConfigError
-from fullshard.app.prepare import PrepareOptions, prepare
-from fullshard.app.token_shards import INDEX, TokenShards
 from fullshard.checkpoint.store import file_sha256
 
 WORDS = ["the", "quick", "brown", "fox", "naïve", "café", "日本", "jumps", "over", "a", "lazy"]
@@ -195,7 +195,7 @@ def test_hf_tokenizer_workers_give_the_transformers_ids(
     assert torch.equal(_stream(ts, "train"), split_for_rank(train, 0, 1, 0.05)[0])
     # workers with the transformers tokenizer (the fallback) write the same shards
     monkeypatch.setattr(corpus_stream, "fast_tokenizer_matches", lambda spec: False)
-    import fullshard.app.prepare as prepare_module
+    import fullshard.app.data.prepare as prepare_module
 
     monkeypatch.setattr(prepare_module, "fast_tokenizer_matches", lambda spec: False)
     slow = _prepare(
@@ -241,7 +241,7 @@ def test_rerun_is_a_no_op_and_a_change_rebuilds(
 def test_interrupted_prepare_leaves_no_index_and_no_staging(
     corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fullshard.app.prepare as prepare_module
+    import fullshard.app.data.prepare as prepare_module
 
     out = tmp_path / "out"
     _prepare([corpus], out)

@@ -243,10 +243,10 @@ def test_train_tp2_on_4_ranks_follows_2_data_parallel_ranks(
 
 
 def _builtin_gpt_tp(rank: int, world: int) -> dict:
-    # What `fullshard train --model tiny --tp 2` builds (app/tensor_parallel.py's plan for the
+    # What `fullshard train --model tiny --tp 2` builds (app/models/tensor_parallel.py's plan for the
     # built-in GPT blocks, then fully_shard over dp), against one process on the whole batch.
-    from fullshard.app.models import build_model, lm_loss
-    from fullshard.app.tensor_parallel import apply_tensor_parallel
+    from fullshard.app.models.gpt import build_model, lm_loss
+    from fullshard.app.models.tensor_parallel import apply_tensor_parallel
 
     torch.set_default_dtype(torch.float64)
     ref = build_model("tiny", 64, seed=3).double()

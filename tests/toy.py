@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from fullshard.app.models import lm_loss
+from fullshard.app.models.gpt import lm_loss
 
 VOCAB, DIM, HIDDEN = 37, 12, 13
 

@@ -130,7 +130,7 @@ def test_meta_init_then_to_empty_keeps_the_subclass(fake_pg: tuple[int, int]) ->
 def test_float8_option_without_torchao_fails_at_wrap_time(fake_pg: tuple[int, int]) -> None:
     from toy import Block, ToyLM
 
-    from fullshard.app.wrap import shard_model
+    from fullshard.app.models.wrap import shard_model
 
     with pytest.raises(FullshardError, match=r"rank 1: .*pip install torchao"):
         shard_model(ToyLM(), "full_shard", [Block], float8=True)

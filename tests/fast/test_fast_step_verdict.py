@@ -1,4 +1,4 @@
-"""NOTE [The step's verdict on the device] (``app/step_verdict.py``) in one process: rows read
+"""NOTE [The step's verdict on the device] (``app/train/verdict.py``) in one process: rows read
 ``lag`` steps late unless urgent, the device schedule counting applied steps only, and its
 state written back for checkpoints."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fullshard.app.step_verdict import DeviceSchedule, StepVerdicts, cosine_multiplier
-from fullshard.app.trainer import lr_lambda
+from fullshard.app.train.trainer import lr_lambda
+from fullshard.app.train.verdict import DeviceSchedule, StepVerdicts, cosine_multiplier
 from fullshard.testing import cuda_emulation, sync_counts
 
 pytestmark = pytest.mark.fast

@@ -112,10 +112,10 @@ def test_forward_without_grad_frees_everything(fake_pg: tuple, reshard_blocks: b
 def test_the_trainers_reshard_option_replaces_the_strategys(
     fake_pg: tuple, strategy: str, raf: bool | int | None, kept: bool
 ) -> None:
-    # fullshard train's --reshard-after-forward and --cpu-offload (fullshard.app.wrap): a value
+    # fullshard train's --reshard-after-forward and --cpu-offload (fullshard.app.models.wrap): a value
     # given replaces the strategy's for the blocks; the root keeps the plan's rule (kept for
     # backward); N < the 4 ranks keeps the blocks sharded over N between forward and backward
-    from fullshard.app.wrap import shard_model
+    from fullshard.app.models.wrap import shard_model
 
     model = ToyLM(n_blocks=N_BLOCKS)
     shard_model(model, strategy, [Block], reshard_after_forward=raf, cpu_offload=True)

@@ -1,7 +1,7 @@
 """The ``fullshard`` command: a thin argparse front end; each subcommand calls into a module.
 
 Every command that launches ranks (``train``, ``trace``, ``bench``, ``plan --check``) first runs
-its one validation function (:mod:`fullshard.app.validate`): a bad input gives one clear message
+its one validation function (:mod:`fullshard.app.commands.validate`): a bad input gives one clear message
 and status 2 before any rank starts, not a traceback per rank. ``fullshard train`` outside
 torchrun then re-launches itself on ``--nproc`` local ranks; under torchrun (launched by us or by
 an external ``torchrun --nnodes ...``) it trains.
@@ -96,7 +96,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     if fill("trace"):
-        from fullshard.app.tracing import add_trace_arguments
+        from fullshard.app.commands.trace import add_trace_arguments
 
         add_trace_arguments(trace)
     bench = sub.add_parser(
@@ -109,7 +109,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     if fill("bench"):
-        from fullshard.app.bench import add_bench_arguments
+        from fullshard.app.commands.bench import add_bench_arguments
 
         add_bench_arguments(bench)
     return parser
@@ -142,13 +142,13 @@ def _add_prepare_parser(
         allow_abbrev=False,
     )
     if fill:
-        from fullshard.app.prepare import add_prepare_arguments
+        from fullshard.app.data.prepare import add_prepare_arguments
 
         add_prepare_arguments(prepare)
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from fullshard.app.prepare import run_prepare
+    from fullshard.app.data.prepare import run_prepare
 
     return run_prepare(args)
 
@@ -165,8 +165,8 @@ def _add_plan_parser(
     if not fill:  # name and help line only (see build_parser): plan_cli imports the planner
         sub.add_parser("plan", help=help_line, description=description, allow_abbrev=False)
         return
-    from fullshard.app.plan_check import add_check_arguments
-    from fullshard.app.plan_cli import PLAN_EPILOG, add_plan_arguments
+    from fullshard.app.commands.plan import PLAN_EPILOG, add_plan_arguments
+    from fullshard.app.commands.plan_check import add_check_arguments
 
     plan = sub.add_parser(
         "plan",
@@ -250,7 +250,7 @@ def _validated_by_launcher() -> bool:
 
 def _train(args: argparse.Namespace) -> int:
     from fullshard.app.dims import ParallelDims, under_torchrun
-    from fullshard.app.launch import launch_local
+    from fullshard.app.launch.local import launch_local
 
     cfg = config_from_args(args)
     # the run's parallel dimensions, built once: validation, the launch and the trainer share it
@@ -258,7 +258,7 @@ def _train(args: argparse.Namespace) -> int:
         cfg.nproc, tp=cfg.tp, strategy=cfg.strategy, shard_size=cfg.shard_size
     )
     if not _validated_by_launcher():
-        from fullshard.app.validate import validate_train
+        from fullshard.app.commands.validate import validate_train
 
         validate_train(cfg, dims)
     if not under_torchrun():
@@ -269,14 +269,14 @@ def _train(args: argparse.Namespace) -> int:
         # (a prefix of its --nproc-per-node), and the ranks need no config file.
         flags = to_flags(cfg, exclude=("nproc", "max_restarts"))
         if cfg.elastic:
-            from fullshard.app.elastic_launch import launch_elastic
+            from fullshard.app.launch.elastic import launch_elastic
 
             return launch_elastic(
                 cfg.nproc, ["train", *flags], max_replacements=cfg.max_replacements
             )
         return launch_local(cfg.nproc, ["train", *flags], max_restarts=cfg.max_restarts)
-    from fullshard.app.preempt import PREEMPTED_EXIT
-    from fullshard.app.trainer import train
+    from fullshard.app.launch.preempt import PREEMPTED_EXIT
+    from fullshard.app.train.trainer import train
 
     summary = train(cfg, dims)
     # a stop signal (NOTE [Preemption]): checkpointed, unfinished, to be resumed
@@ -284,17 +284,17 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from fullshard.app.launch import forward_flags, launch_local, under_torchrun
-    from fullshard.app.plan_cli import add_plan_arguments, run
+    from fullshard.app.commands.plan import add_plan_arguments, run
+    from fullshard.app.launch.local import forward_flags, launch_local, under_torchrun
 
     if args.check:
-        from fullshard.app.plan_check import (
+        from fullshard.app.commands.plan_check import (
             add_check_arguments,
             check_json,
             check_rank,
             format_check,
         )
-        from fullshard.app.validate import validate_plan_check
+        from fullshard.app.commands.validate import validate_plan_check
 
         if not _validated_by_launcher():
             validate_plan_check(args)
@@ -307,7 +307,7 @@ def _plan(args: argparse.Namespace) -> int:
         if os.environ["RANK"] == "0":
             print(check_json(res) if args.json else format_check(res), flush=True)
         return 0
-    from fullshard.app.validate import validate_plan
+    from fullshard.app.commands.validate import validate_plan
 
     validate_plan(args)
     try:
@@ -318,12 +318,12 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
+    from fullshard.app.commands.trace import add_trace_arguments, run_trace
     from fullshard.app.dims import ParallelDims
-    from fullshard.app.launch import forward_flags, launch_local, under_torchrun
-    from fullshard.app.tracing import add_trace_arguments, run_trace
+    from fullshard.app.launch.local import forward_flags, launch_local, under_torchrun
 
     if not _validated_by_launcher():
-        from fullshard.app.validate import validate_trace
+        from fullshard.app.commands.validate import validate_trace
 
         dims = ParallelDims.from_env(args.nproc, strategy=args.strategy, shard_size=args.shard_size)
         validate_trace(args, dims)
@@ -337,12 +337,12 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from fullshard.app.bench import main_bench, run_bench_rank
-    from fullshard.app.launch import under_torchrun
+    from fullshard.app.commands.bench import main_bench, run_bench_rank
+    from fullshard.app.launch.local import under_torchrun
 
     if under_torchrun():  # one of the launches main_bench makes, with options it checked
         return run_bench_rank(args)
-    from fullshard.app.validate import validate_bench
+    from fullshard.app.commands.validate import validate_bench
 
     validate_bench(args)
     return main_bench(args)

@@ -4,7 +4,7 @@ Precedence: dataclass defaults < ``--config FILE.toml`` < command-line flags. Th
 is generated from the dataclass fields (their ``help`` metadata), so ``fullshard train --help``
 documents every option and cannot drift from the config. This module is the data only:
 checking the values (and the files, models and devices they name) is
-:mod:`fullshard.app.validate`'s, once per process before launch.
+:mod:`fullshard.app.commands.validate`'s, once per process before launch.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = [
 
 MIXED_PRECISION = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "nccl", "gloo")  # --backend; fullshard.app.launch resolves them
+BACKENDS = ("auto", "nccl", "gloo")  # --backend; fullshard.app.launch.local resolves them
 
 
 def _opt(default: Any, help: str, *, group: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -282,7 +282,7 @@ class TrainConfig:
     @property
     def global_sampler(self) -> bool:
         """Whether every rank draws the step's whole global batch, cut into micro-batches of
-        ``--micro-batch-size`` (``fullshard.app.fixed_order``): with ``--deterministic``, and
+        ``--micro-batch-size`` (``fullshard.app.train.fixed_order``): with ``--deterministic``, and
         with ``--elastic``, whose memberships change the world size a step runs at."""
         return self.deterministic or self.elastic
 

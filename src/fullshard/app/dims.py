@@ -3,7 +3,7 @@ shard group and the mesh shape, in one object.
 
 :meth:`ParallelDims.from_env` is the one place the application reads torchrun's ``WORLD_SIZE``
 and ``LOCAL_WORLD_SIZE``; the command line builds the object once and hands it to validation,
-the launcher, the trainer and the sharding (``fullshard.app.wrap``), so no two of them can
+the launcher, the trainer and the sharding (``fullshard.app.models.wrap``), so no two of them can
 disagree about ``world // tp`` or the hybrid default.
 """
 
@@ -81,7 +81,7 @@ class ParallelDims:
 
     def mesh_shape(self) -> tuple[int, ...]:
         """``(dp,)``, or ``(replicas, shard)`` for ``no_shard`` and hybrid, with ``tp`` last
-        when tensor parallel is on (the order ``fullshard.app.tensor_parallel`` builds)."""
+        when tensor parallel is on (the order ``fullshard.app.models.tensor_parallel`` builds)."""
         group = self.shard_group()
         shape: tuple[int, ...] = (
             (self.dp // group, group) if self.strategy == "no_shard" or self.hybrid else (self.dp,)

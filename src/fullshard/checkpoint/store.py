@@ -68,7 +68,7 @@ def latest_checkpoint(root: str) -> str | None:
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
     """sha256 of a file, read in blocks (never mapped: resident memory stays flat); checkpoint
-    manifests and prepared token shards (``fullshard.app.token_shards``) both use it."""
+    manifests and prepared token shards (``fullshard.app.data.token_shards``) both use it."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(8 << 20):

@@ -3,7 +3,7 @@ rule that decides the next one (:func:`decide`), and each member's watcher threa
 
 NOTE [Generations]
 The job's ``TCPStore`` outlives every rank: fullshard's elastic launcher hosts it
-(``app/elastic_launch.py``); under torchrun, with ``--rdzv-backend fullshard``, the first node's
+(``app/launch/elastic.py``); under torchrun, with ``--rdzv-backend fullshard``, the first node's
 agent does.
 Membership is a sequence of generations, each written once (``compare_set``) under ``gen/<g>``:
 the member ids in rank order, the ranks lost, joined and left out, and why. Generation 0 is

@@ -2,8 +2,8 @@
 
 Pure library functions over a model description: :func:`plan_analytic` (a parameter count) and
 :func:`plan_model` (a real model, built on the meta device if you like). The report and the
-``fullshard plan`` command are in ``fullshard.app.plan_cli``; ``plan --check`` (measuring a real
-run against the plan) in ``fullshard.app.plan_check``.
+``fullshard plan`` command are in ``fullshard.app.commands.plan``; ``plan --check`` (measuring a real
+run against the plan) in ``fullshard.app.commands.plan_check``.
 """
 
 # Names load on first use (PEP 562), like ``fullshard`` itself: ``import fullshard.plan.accounting``

@@ -22,11 +22,11 @@ Method (DESIGN.md, "Performance method"), in two kinds of launch:
    (``max_memory_allocated`` / ``max_memory_reserved``, reset after wrapping).
 
 Each step reports its *issue time* next to its step time (NOTE [Issue time] in
-:mod:`fullshard.app.bench_variants`): on CUDA a step ends with a device synchronisation, and the
+:mod:`fullshard.app.commands.bench_variants`): on CUDA a step ends with a device synchronisation, and the
 issue time is taken just before it.
 
 ``main_bench`` (outside torchrun) runs the launches and writes the report (see
-:mod:`fullshard.app.bench_report`); ``run_bench_rank`` is one rank's body.
+:mod:`fullshard.app.commands.bench_report`); ``run_bench_rank`` is one rank's body.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard import step_schedule
-from fullshard.app.bench_variants import (
+from fullshard.app.commands.bench_variants import (
     FULLSHARD_VARIANTS,
     VARIANTS,
     Variant,
@@ -59,7 +59,7 @@ from fullshard.app.bench_variants import (
     parse_variants,
 )
 from fullshard.app.config import add_config_options
-from fullshard.app.launch import (
+from fullshard.app.launch.local import (
     forward_flags,
     init_distributed,
     launch_local,
@@ -165,7 +165,7 @@ def _setup_rank(args: argparse.Namespace) -> tuple[int, int, torch.device]:
 
 def _model_facts(model_name: str) -> dict[str, Any]:
     """Parameter count and the share of it in the root unit (gathered once per step, not twice)."""
-    from fullshard.app.models import build_model, count_params, unit_types_of
+    from fullshard.app.models.gpt import build_model, count_params, unit_types_of
     from fullshard.engine.sharding import plan_sharding
 
     model = build_model(model_name, 256, seed=0, device="meta")
@@ -342,7 +342,7 @@ def run_bench_rank(args: argparse.Namespace) -> int:
         if args.bench_result:
             Path(args.bench_result).write_text(json.dumps(raw))
         else:
-            from fullshard.app.bench_report import summarize, write_report
+            from fullshard.app.commands.bench_report import summarize, write_report
 
             summary = summarize(_config(args, world, raw["variants"]), raw, {}, {})
             print(write_report(summary, Path(args.out)), flush=True)
@@ -362,14 +362,14 @@ def _rank_flags(args: argparse.Namespace, variants: list[str]) -> list[str]:
 
 
 def _launch(nproc: int, argv: list[str], memory: bool, timeout: float) -> int:
-    """``python -m fullshard.app.bench <argv>`` on ``nproc`` ranks, within ``timeout`` seconds.
+    """``python -m fullshard.app.commands.bench <argv>`` on ``nproc`` ranks, within ``timeout`` seconds.
 
     Memory launches start new interpreters (the malloc settings of :func:`_rank_env` are read at
     process start); the timing launch forks its ranks (NOTE [Ranks from a forkserver])."""
     return launch_local(
         nproc,
         argv,
-        module="fullshard.app.bench",
+        module="fullshard.app.commands.bench",
         env=_rank_env(memory),
         timeout_s=timeout,
         fresh_interpreters=memory,
@@ -381,7 +381,7 @@ def _rank_env(memory: bool) -> dict[str, str]:
     start-up, so only a new process can have it); timing launches keep the default allocator,
     whose reuse of freed blocks is what a training run gets."""
     env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: see fullshard.app.launch
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: see fullshard.app.launch.local
     env.setdefault("OMP_NUM_THREADS", "1")  # torch's thread count is set from --threads anyway
     if memory:
         env["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
@@ -424,7 +424,7 @@ def main_bench(args: argparse.Namespace) -> int:
     0 when every launch succeeded; 1 when one failed (what succeeded is still reported);
     2 for bad options.
     """
-    from fullshard.app.validate import validate_bench
+    from fullshard.app.commands.validate import validate_bench
 
     try:
         variants = validate_bench(args)  # raises ConfigError, a ValueError
@@ -454,7 +454,7 @@ def main_bench(args: argparse.Namespace) -> int:
                 memory[name] = json.loads(path.read_text())
             else:
                 failed.append(f"memory launch of {name} (status {rc})")
-    from fullshard.app.bench_report import summarize, write_report
+    from fullshard.app.commands.bench_report import summarize, write_report
 
     summary = summarize(_config(args, args.nproc, variants), timing, memory, {"failed": failed})
     print(write_report(summary, out), flush=True)

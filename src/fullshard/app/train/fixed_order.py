@@ -24,8 +24,8 @@ import torch
 import torch.utils.deterministic
 from torch import nn
 
-from fullshard.app.data import eval_batches
-from fullshard.app.models import lm_loss
+from fullshard.app.data.corpus import eval_batches
+from fullshard.app.models.gpt import lm_loss
 from fullshard.comm.device import cuda_semantics
 from fullshard.deterministic import (
     GradientTree,

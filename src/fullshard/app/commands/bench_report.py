@@ -1,13 +1,13 @@
 """The report of ``fullshard bench``: figures per variant, ``bench.json``, ``bench.md``, ``bench.png``.
 
-:func:`summarize` turns the raw per-rank figures of the launches (see :mod:`fullshard.app.bench`)
+:func:`summarize` turns the raw per-rank figures of the launches (see :mod:`fullshard.app.commands.bench`)
 into one figure per variant; :func:`write_report` writes the three files and returns the
 Markdown. Conventions:
 
 - step time: per round, the slowest rank's step (the step is done when every rank is); the
   median over rounds. tokens/s = global tokens per step / that median.
 - issue time: per round, the slowest rank's time to issue its step (NOTE [Issue time] in
-  :mod:`fullshard.app.bench_variants`); the median over rounds, and its ratio to the step time.
+  :mod:`fullshard.app.commands.bench_variants`); the median over rounds, and its ratio to the step time.
   On CPU the host does the work as it issues it: issue time is the step time (ratio ~1). On
   CUDA a ratio well below 1 means the host runs ahead of the GPU; near 1, the host is the
   bottleneck or waited on the device inside the step.

@@ -8,7 +8,7 @@ A prepared folder holds, per split (``train`` and ``val``)::
     index.json                             written last, atomically: the commit marker
 
 ``index.json`` records the format version, dtype, the tokenizer's identity, the split
-(``val_fraction`` over ``VAL_BLOCK``-token blocks, exactly as :func:`fullshard.app.data.split_for_rank`
+(``val_fraction`` over ``VAL_BLOCK``-token blocks, exactly as :func:`fullshard.app.data.corpus.split_for_rank`
 cuts the in-memory stream), every shard's name, token count, size, mtime and sha256 and largest
 token id, and the inputs' fingerprint and options (so that re-running ``prepare`` on unchanged
 inputs is a no-op). A folder without ``index.json`` is not a prepared corpus, whatever else it holds.
@@ -316,7 +316,7 @@ class TokenShards:
 
     def rank_split(self, rank: int, world_size: int) -> tuple[TokenStream, TokenStream]:
         """This rank's (train, validation) slices, cut exactly as
-        :func:`fullshard.app.data.split_for_rank` cuts the in-memory stream."""
+        :func:`fullshard.app.data.corpus.split_for_rank` cuts the in-memory stream."""
         train, val = self.streams["train"], self.streams["val"]
         tr, va = len(train) // world_size, len(val) // world_size
         return (

@@ -23,10 +23,8 @@ import torch
 from torch import nn
 
 from fullshard import ShardedGradScaler
-from fullshard.app import elastic_run
-from fullshard.app.checkpointing import TrainCheckpoints
 from fullshard.app.config import TrainConfig, to_toml
-from fullshard.app.data import (
+from fullshard.app.data.corpus import (
     RankBatches,
     build_tokenizer,
     eval_batches,
@@ -35,22 +33,30 @@ from fullshard.app.data import (
 )
 from fullshard.app.dims import ParallelDims
 from fullshard.app.errors import ConfigError
-from fullshard.app.faults import NonFiniteError, agree_step, fault_from_env
-from fullshard.app.launch import DistInfo, rank_session
-from fullshard.app.models import (
-    generate,
-    lm_loss,
-)
-from fullshard.app.monitor import MetricsLog, format_mem, gather_memory, make_run_dir, plot_losses
-from fullshard.app.preempt import (
+from fullshard.app.launch.local import DistInfo, rank_session
+from fullshard.app.launch.preempt import (
     PREEMPTED_EXIT,
     StopSignals,
     clear_marker,
     signal_name,
     write_marker,
 )
-from fullshard.app.rank_build import RankBuild, build_rank, lr_lambda, param_groups, to_device
-from fullshard.app.step_verdict import (
+from fullshard.app.models.gpt import (
+    generate,
+    lm_loss,
+)
+from fullshard.app.train import elastic as elastic_run
+from fullshard.app.train.build import RankBuild, build_rank, lr_lambda, param_groups, to_device
+from fullshard.app.train.faults import NonFiniteError, agree_step, fault_from_env
+from fullshard.app.train.monitor import (
+    MetricsLog,
+    format_mem,
+    gather_memory,
+    make_run_dir,
+    plot_losses,
+)
+from fullshard.app.train.state import TrainCheckpoints
+from fullshard.app.train.verdict import (
     DeviceSchedule,
     StepBook,
 )
@@ -81,7 +87,7 @@ def _accumulate(
     sampler, the gradients reduce-scattered only on the last (earlier ones accumulate into the
     unsharded gradients locally). Returns the rank's mean loss, on the device: no
     per-micro-batch ``float(loss)`` stalls the host."""
-    from fullshard.app.wrap import set_gradient_sync
+    from fullshard.app.models.wrap import set_gradient_sync
 
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for k in range(grad_accum):
@@ -148,7 +154,7 @@ def _sharding_options(cfg: TrainConfig) -> str:
 def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> dict[str, Any]:
     """Run one training job on this rank; returns the run summary (on every rank).
 
-    ``cfg`` was validated (``fullshard.app.validate.validate_train``, before launch); ``dims``:
+    ``cfg`` was validated (``fullshard.app.commands.validate.validate_train``, before launch); ``dims``:
     the run's parallel dimensions (default: from torchrun's environment and ``cfg``).
     """
     if dims is None:
@@ -160,7 +166,7 @@ def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> dict[str, Any]:
     tokenizer = build_tokenizer(cfg.tokenizer)
     tokens = load_tokens(cfg.data, tokenizer)  # a prepared folder is memory-mapped, not read
     session: Any
-    if cfg.elastic:  # its launcher's store and generations (fullshard.app.elastic_run)
+    if cfg.elastic:  # its launcher's store and generations (fullshard.app.train.elastic)
         session = elastic_run.elastic_session(cfg, dims)
     else:
         session = rank_session(cfg.device, cfg.timeout, cfg.backend)
@@ -189,7 +195,7 @@ def _train(
     micro = cfg.micro_batch(dims.dp)
     # data parallel rank: the --tp consecutive ranks of one TP group read the same batches
     dp_rank, dp = dims.dp_rank(rank), dims.dp
-    if cfg.global_sampler:  # (fullshard.app.fixed_order)
+    if cfg.global_sampler:  # (fullshard.app.train.fixed_order)
         train_tokens, val_tokens = split_for_rank(tokens, 0, 1, cfg.val_fraction)
         sampler = RankBatches(
             train_tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=0,
@@ -200,7 +206,7 @@ def _train(
         sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
         val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
 
-    from fullshard.app.wrap import clip_gradients, gradient_norm
+    from fullshard.app.models.wrap import clip_gradients, gradient_norm
 
     b = build_rank(cfg, dims, tokenizer, rank, world, device, val_tokens)
     model, plan, fixed, opt, sched = b.model, b.plan, b.fixed, b.opt, b.sched

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fullshard import get_state_dict, set_state_dict
-from fullshard.app.data import RankBatches
+from fullshard.app.data.corpus import RankBatches
 from fullshard.app.errors import ConfigError
 from fullshard.checkpoint import CheckpointManager, latest_checkpoint
 from fullshard.checkpoint.store import MANIFEST, CheckpointCorrupt

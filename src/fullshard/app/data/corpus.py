@@ -4,8 +4,8 @@ The default corpus is the English prose of Python's own documentation, shipped w
 as ``pydoc_data.topics.topics`` (the text ``help("if")`` shows; PSF license): real text on every
 machine, with no download.
 
-A corpus prepared by ``fullshard prepare`` (:mod:`fullshard.app.prepare`) is read from its token
-shards instead (:class:`fullshard.app.token_shards.TokenShards`): the same split, the same
+A corpus prepared by ``fullshard prepare`` (:mod:`fullshard.app.data.prepare`) is read from its token
+shards instead (:class:`fullshard.app.data.token_shards.TokenShards`): the same split, the same
 sampler, without tokenizing or holding the corpus.
 
 Splitting (every rank computes the same split from the same corpus, whatever the world size):
@@ -29,8 +29,8 @@ from typing import Any, Protocol
 
 import torch
 
+from fullshard.app.data.token_shards import TensorTokens, TokenShards, TokenSource, is_prepared
 from fullshard.app.errors import ConfigError
-from fullshard.app.token_shards import TensorTokens, TokenShards, TokenSource, is_prepared
 
 __all__ = [
     "ByteTokenizer",
@@ -97,7 +97,7 @@ class HFTokenizer:
     """A tokenizer from a local Hugging Face tokenizer directory (needs ``transformers``)."""
 
     def __init__(self, path: str) -> None:
-        from fullshard.app.hf import require_transformers
+        from fullshard.app.models.hf import require_transformers
 
         try:
             transformers = require_transformers()

@@ -1,7 +1,7 @@
 """The reading half of ``fullshard prepare``: inputs as documents, tokenized in worker processes.
 
 A text file is one document, read in chunks cut after a newline and decoded exactly as
-:func:`fullshard.app.data.load_text` decodes it (UTF-8 with invalid bytes replaced, universal
+:func:`fullshard.app.data.corpus.load_text` decodes it (UTF-8 with invalid bytes replaced, universal
 newlines), so its chunks join to the same text; a JSONL line's ``text`` field, or a Parquet or
 Arrow row's ``text`` column, is one document. Documents become *segments* (the ``"\n\n"``
 separator between documents, then the document's chunks), batched by size; worker processes
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from fullshard.app.data import TEXT_SUFFIXES, check_text_file
+from fullshard.app.data.corpus import TEXT_SUFFIXES, check_text_file
 from fullshard.app.errors import ConfigError
 
 __all__ = [
@@ -250,7 +250,7 @@ def _init_worker(spec: str, fast: bool, dtype: str) -> None:
             return [np.asarray(e.ids, dtype=dtype) for e in encs]
 
     else:
-        from fullshard.app.data import HFTokenizer
+        from fullshard.app.data.corpus import HFTokenizer
 
         slow = HFTokenizer(spec)
 
@@ -275,7 +275,7 @@ PROBE = (
 
 def fast_tokenizer_matches(spec: str) -> bool:
     """Whether ``tokenizers.Tokenizer.from_file(spec/tokenizer.json)`` gives the ids that
-    :class:`~fullshard.app.data.HFTokenizer` gives (without special tokens) on a probe text.
+    :class:`~fullshard.app.data.corpus.HFTokenizer` gives (without special tokens) on a probe text.
     The fast tokenizer is cheap to load in each worker; when it disagrees (a tokenizer whose
     Python class adds its own processing), workers load the transformers tokenizer instead."""
     path = Path(spec) / "tokenizer.json"
@@ -283,7 +283,7 @@ def fast_tokenizer_matches(spec: str) -> bool:
         return False
     from tokenizers import Tokenizer
 
-    from fullshard.app.data import HFTokenizer
+    from fullshard.app.data.corpus import HFTokenizer
 
     fast, slow = Tokenizer.from_file(str(path)), HFTokenizer(spec)
     probes = [PROBE, *PROBE.split("\n"), SEPARATOR, ""]

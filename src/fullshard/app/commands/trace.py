@@ -25,9 +25,9 @@ import torch
 
 from fullshard import step_schedule
 from fullshard.app.config import add_config_options
-from fullshard.app.launch import rank_session
-from fullshard.app.models import build_model, count_params, lm_loss, unit_types_of
-from fullshard.app.wrap import shard_model
+from fullshard.app.launch.local import rank_session
+from fullshard.app.models.gpt import build_model, count_params, lm_loss, unit_types_of
+from fullshard.app.models.wrap import shard_model
 from fullshard.comm import control
 from fullshard.observe.memory import MemoryTracker
 from fullshard.observe.plot import draw_timeline

@@ -202,7 +202,7 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
         return "gpt", spec
     if (Path(spec) / "config.json").is_file():
         return "hf", spec
-    from fullshard.app.hf import HF_CONFIGS  # light: no transformers import at module level
+    from fullshard.app.models.hf import HF_CONFIGS  # light: no transformers import at module level
 
     known = ", ".join(MODEL_SIZES)
     hf_known = ", ".join(f"hf:{n}" for n in HF_CONFIGS)
@@ -226,12 +226,12 @@ def build_model(
     The returned module has a ``unit_types`` attribute or property naming the classes that become
     one FSDP unit each. Weights are initialised deterministically from ``seed``.
     ``lazy_weights``: a local Hugging Face directory with safetensors weights comes back with its
-    parameters on the meta device, its weights loaded only when ``fullshard.app.wrap.shard_model``
+    parameters on the meta device, its weights loaded only when ``fullshard.app.models.wrap.shard_model``
     shards it (each rank reads its own rows); for callers that shard what they build.
     """
     kind, name = resolve_model_spec(name_or_path)
     if kind == "hf":
-        from fullshard.app.hf import build_hf_model
+        from fullshard.app.models.hf import build_hf_model
 
         return build_hf_model(name, vocab_size, seed=seed, device=device, lazy_weights=lazy_weights)
     cfg = replace(MODEL_SIZES[name], vocab_size=vocab_size)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.app.models import lm_loss
+from fullshard.app.models.gpt import lm_loss
 
 __all__ = [
     "FULLSHARD_VARIANTS",
@@ -100,7 +100,7 @@ def _fsdp2(model: nn.Module, world: int, device: torch.device, bf16: bool) -> No
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from fullshard.app.models import unit_types_of
+    from fullshard.app.models.gpt import unit_types_of
     from fullshard.engine.sharding import plan_sharding
 
     kwargs: dict[str, Any] = {}
@@ -127,14 +127,14 @@ def build_variant(
     mixed_precision: str = "none",
 ) -> Variant:
     """The model, wrapped the way ``name`` says, and its AdamW (built after wrapping)."""
-    from fullshard.app.models import build_model, unit_types_of
+    from fullshard.app.models.gpt import build_model, unit_types_of
 
     bf16 = mixed_precision == "bf16"
     model = build_model(model_name, VOCAB, seed=0, device=device)
     autocast = None
     tree = None
     if name in FULLSHARD_VARIANTS:
-        from fullshard.app.wrap import shard_model
+        from fullshard.app.models.wrap import shard_model
 
         strategy = "full_shard" if name == "deterministic" else name
         shard_model(model, strategy, unit_types_of(model), mixed_precision=mixed_precision)

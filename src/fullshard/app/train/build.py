@@ -15,8 +15,8 @@ from fullshard import ShardedGradScaler
 from fullshard.app.config import TrainConfig, reshard_after_forward_arg
 from fullshard.app.dims import ParallelDims
 from fullshard.app.errors import ConfigError
-from fullshard.app.models import build_model, count_params, output_vocab_size, unit_types_of
-from fullshard.app.step_verdict import (
+from fullshard.app.models.gpt import build_model, count_params, output_vocab_size, unit_types_of
+from fullshard.app.train.verdict import (
     DeviceSchedule,
     StepVerdicts,
     cosine_multiplier,
@@ -105,7 +105,7 @@ def build_rank(
     if vocab < tokenizer.vocab_size:
         raise ConfigError(f"model vocabulary {vocab} < tokenizer vocabulary {tokenizer.vocab_size}")
 
-    from fullshard.app.wrap import shard_model
+    from fullshard.app.models.wrap import shard_model
 
     plan = shard_model(
         model,
@@ -120,7 +120,7 @@ def build_rank(
     )
     fixed, val_count = None, 0
     if cfg.global_sampler:
-        from fullshard.app.fixed_order import FixedOrderSteps
+        from fullshard.app.train.fixed_order import FixedOrderSteps
 
         fixed = FixedOrderSteps(
             model, global_batch=cfg.batch_size, micro_batch=micro, seed=cfg.seed, rank=rank,

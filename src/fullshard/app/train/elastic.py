@@ -2,7 +2,7 @@
 
 A rank joins its generation's process group through :class:`fullshard.elastic.Manager` (the
 store is hosted by fullshard's launcher, or by the first node's torchrun agent under
-``--rdzv-backend fullshard``: ``app/elastic_launch.py``); at every ``--elastic-every``-th
+``--rdzv-backend fullshard``: ``app/launch/elastic.py``); at every ``--elastic-every``-th
 step boundary the trainer hands the manager its model, optimizer and :func:`loop_state`; when a
 step fails (or rank 0 admits new ranks), :func:`recover` settles the next membership, has the
 trainer rebuild its model for it and loads the newest boundary the participants hold, in
@@ -32,9 +32,9 @@ from torch import nn
 
 from fullshard.app.config import TrainConfig
 from fullshard.app.dims import ParallelDims
-from fullshard.app.elastic_launch import LAUNCHER_ENV
 from fullshard.app.errors import ConfigError
-from fullshard.app.launch import DistInfo, leave_together, prepare_rank
+from fullshard.app.launch.elastic import LAUNCHER_ENV
+from fullshard.app.launch.local import DistInfo, leave_together, prepare_rank
 from fullshard.elastic import Aborted, Layout, Lost, Manager, Membership, abort_groups
 from fullshard.elastic.membership import JobFinished
 
@@ -63,7 +63,7 @@ def world_rules(
     """Which world sizes the job can run at (validation's own world checks), and where each
     world's copies live: a shard group's replicas hold each other's shards; otherwise the copy
     goes to the rank a node away (a lost node's shards are then held on another)."""
-    from fullshard.app.validate import check_world
+    from fullshard.app.commands.validate import check_world
 
     def accepts(world: int) -> bool:
         try:

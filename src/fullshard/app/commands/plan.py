@@ -1,7 +1,7 @@
 """``fullshard plan``: its options, the report it prints, and the plan of a built-in model.
 
 The planner itself is a library (``fullshard.plan``); this module turns command-line options into
-a :class:`~fullshard.plan.PlanConfig`, builds ``fullshard.app.models`` models on the meta device
+a :class:`~fullshard.plan.PlanConfig`, builds ``fullshard.app.models.gpt`` models on the meta device
 for it, and formats the result.
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fullshard.app.config import add_config_options
-from fullshard.app.models import build_model, lm_loss, unit_types_of
+from fullshard.app.models.gpt import build_model, lm_loss, unit_types_of
 from fullshard.plan import GB, Plan, PlanConfig, fmt_bytes, plan_analytic, plan_model, recommend
 from fullshard.plan.accounting import DTYPE_BYTES, OPTIMIZERS, Recommendation
 from fullshard.plan.model import describe
@@ -39,7 +39,7 @@ def plan_builtin(
     vocab_size: int = 256,
     with_recommendation: bool = True,
 ) -> Plan:
-    """:func:`fullshard.plan.plan_model` for a ``fullshard.app.models`` name (``small``,
+    """:func:`fullshard.plan.plan_model` for a ``fullshard.app.models.gpt`` name (``small``,
     ``gpt2-124m``, ``hf:NAME`` ...), built on the meta device, with the trainer's loss; with
     ``config.tp`` > 1, split as ``fullshard train --tp`` splits it."""
     model = build_model(name, vocab_size, device="meta")
@@ -61,7 +61,7 @@ def plan_builtin(
 def tp_local_shapes(model: nn.Module, tp: int) -> dict[str, torch.Size]:
     """Parameter name -> the shape one rank holds under ``fullshard train --tp`` (column-wise:
     rows split; row-wise: columns split, bias whole)."""
-    from fullshard.app.tensor_parallel import block_plan, check_divisible
+    from fullshard.app.models.tensor_parallel import block_plan, check_divisible
 
     out: dict[str, torch.Size] = {}
     types = unit_types_of(model)
@@ -213,7 +213,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("model (one of)")
     src = what.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (analytic mode)")
-    src.add_argument("--model", help="a fullshard.app.models name: tiny, demo, small, gpt2-124m, "
+    src.add_argument("--model", help="a fullshard.app.models.gpt name: tiny, demo, small, gpt2-124m, "
                      "1b, 7b, or hf:NAME (model mode)")  # fmt: skip
     what.add_argument("--layers", type=int, default=32,
                       help="analytic: transformer layers = units (default 32)")  # fmt: skip

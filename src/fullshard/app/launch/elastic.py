@@ -10,7 +10,7 @@ instead:
 
 - it hosts the job's c10d ``TCPStore`` (a rank's death cannot take it down), and the ranks
   connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun's agent);
-- it forks the ranks from the forkserver of NOTE [Ranks from a forkserver] (``app/launch.py``);
+- it forks the ranks from the forkserver of NOTE [Ranks from a forkserver] (``app/launch/local.py``);
 - when a rank's process exits before the job is done, it reports the exit in the store and
   starts a replacement that asks to join in its place, at most ``max_replacements`` in all
   (after that the others go on at a smaller world, where the job can run at one). The report
@@ -36,7 +36,7 @@ with two changes:
 
 Every agent's view of the agents' store is one prefix of the rendezvous store, so an arriving
 agent reads the rank assignment made at the start and joins the others' exit barrier. The
-backend (``app/rendezvous.py``) is registered with torchrun through the entry point group
+backend (``app/launch/rendezvous.py``) is registered with torchrun through the entry point group
 ``torchrun.handlers`` (``pyproject.toml``); :data:`RDZV_ENV` tells a worker (validation) it
 runs under it. What it
 cannot survive: the loss of the node whose agent hosts the workers' store (group rank 0) or the
@@ -54,7 +54,9 @@ from typing import Any
 
 __all__ = ["LAUNCHER_ENV", "RDZV_ENV", "launch_elastic"]
 
-RDZV_ENV = "FULLSHARD_ELASTIC_RDZV"  # set in an agent by app/rendezvous.py: its workers inherit it
+RDZV_ENV = (
+    "FULLSHARD_ELASTIC_RDZV"  # set in an agent by app/launch/rendezvous.py: its workers inherit it
+)
 
 
 LAUNCHER_ENV = "FULLSHARD_ELASTIC_LAUNCHER"  # set for its ranks: the launcher says the last word
@@ -74,7 +76,7 @@ def launch_elastic(
     import torch.distributed as dist
 
     from fullshard.app.errors import ERROR_MARKER_ENV, VALIDATED_ENV, read_error
-    from fullshard.app.launch import RANK_PRELOAD, run_rank
+    from fullshard.app.launch.local import RANK_PRELOAD, run_rank
     from fullshard.elastic.membership import (
         JOIN_ENV,
         MEMBER_ENV,

@@ -162,7 +162,7 @@ def build_hf_model(
     a directory with weights is loaded as is (its vocabulary must cover the tokenizer's, which
     the trainer checks). With ``lazy_weights`` a directory with safetensors weights is built
     with its parameters on the meta device (buffers on ``device``) and loads nothing yet: shard
-    it, then :func:`load_pending` (``fullshard.app.wrap.shard_model`` does both). The returned
+    it, then :func:`load_pending` (``fullshard.app.models.wrap.shard_model`` does both). The returned
     model gets a ``unit_types`` attribute: its decoder layer classes.
     """
     transformers = require_transformers()

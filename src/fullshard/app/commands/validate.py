@@ -26,9 +26,9 @@ import os
 from pathlib import Path
 
 from fullshard.app.config import TrainConfig, reshard_after_forward_arg
+from fullshard.app.data.checks import check_data
 from fullshard.app.dims import ParallelDims
 from fullshard.app.errors import ConfigError
-from fullshard.app.validate_data import check_data
 from fullshard.policies import FullshardError
 
 __all__ = [
@@ -74,14 +74,14 @@ def _dims(
 def check_model_spec(spec: str, flag: str = "--model") -> tuple[str, str]:
     """``(kind, name)`` of a ``--model`` value (see ``resolve_model_spec``), or a
     :class:`ConfigError` naming the flag: unknown names, a missing ``transformers``."""
-    from fullshard.app.models import resolve_model_spec
+    from fullshard.app.models.gpt import resolve_model_spec
 
     try:
         kind, name = resolve_model_spec(spec)
     except ValueError as exc:
         raise ConfigError(f"{flag}: {exc}") from None
     if kind == "hf":
-        from fullshard.app.hf import HF_CONFIGS, require_transformers
+        from fullshard.app.models.hf import HF_CONFIGS, require_transformers
 
         try:
             require_transformers()
@@ -100,10 +100,10 @@ def model_context(kind: str, name: str) -> int | None:
     """The longest sequence a ``--model`` accepts, read from its configuration (no model is
     built); ``None`` when the configuration does not say."""
     if kind == "gpt":
-        from fullshard.app.models import MODEL_SIZES
+        from fullshard.app.models.gpt import MODEL_SIZES
 
         return MODEL_SIZES[name].max_seq_len
-    from fullshard.app.hf import HF_CONFIGS
+    from fullshard.app.models.hf import HF_CONFIGS
 
     if name in HF_CONFIGS:
         config = HF_CONFIGS[name][1]
@@ -181,12 +181,12 @@ def validate_train(cfg: TrainConfig, dims: ParallelDims | int) -> None:
     if cfg.float8:
         if cfg.tp > 1:
             raise ConfigError("--float8 with --tp is not supported yet: drop one of them")
-        from fullshard.app.wrap import float8_missing
+        from fullshard.app.models.wrap import float8_missing
 
         missing = float8_missing()
         if missing:
             raise ConfigError(missing)
-    from fullshard.app.launch import check_devices
+    from fullshard.app.launch.local import check_devices
 
     check_devices(cfg.device, cfg.backend, dims.local_world)  # no device is touched
     run_dir = Path(cfg.runs_dir) / cfg.name if cfg.name else Path(cfg.runs_dir)
@@ -270,7 +270,7 @@ def _check_batch(cfg: TrainConfig, dims: ParallelDims) -> None:
 def _check_elastic(cfg: TrainConfig) -> None:
     """``--elastic``: what live recovery supports (``fullshard.elastic``)."""
     from fullshard.app.dims import under_torchrun
-    from fullshard.app.elastic_launch import RDZV_ENV
+    from fullshard.app.launch.elastic import RDZV_ENV
 
     if under_torchrun() and not os.environ.get(RDZV_ENV):
         raise ConfigError(
@@ -448,12 +448,12 @@ def _check_hf_weights(spec: str, name: str) -> None:
     """A local Hugging Face checkpoint's safetensors fit its model (``spec``, named ``name``):
     every parameter present with its shape, every shard file of the index there (headers only;
     the model on meta)."""
-    from fullshard.app.hf import safetensors_dir
+    from fullshard.app.models.hf import safetensors_dir
 
     folder = safetensors_dir(name)
     if folder is None:
         return
-    from fullshard.app.models import build_model
+    from fullshard.app.models.gpt import build_model
     from fullshard.checkpoint import check_safetensors
 
     try:
@@ -465,8 +465,8 @@ def _check_hf_weights(spec: str, name: str) -> None:
 def _check_tensor_parallel(cfg: TrainConfig) -> None:
     """The model has a TP plan and its split dimensions divide by ``--tp`` (on the meta
     device: no memory)."""
-    from fullshard.app.models import build_model, unit_types_of
-    from fullshard.app.tensor_parallel import check_divisible
+    from fullshard.app.models.gpt import build_model, unit_types_of
+    from fullshard.app.models.tensor_parallel import check_divisible
 
     model = build_model(cfg.model, 256, device="meta")
     types = unit_types_of(model)
@@ -484,14 +484,14 @@ def validate_trace(args: argparse.Namespace, dims: ParallelDims | int) -> None:
     if dims.hybrid:  # the size the ranks will choose (the engine's default when 0)
         _hybrid_group(dims)
     _writable_folder(args.out, "--out")
-    from fullshard.app.launch import check_devices
+    from fullshard.app.launch.local import check_devices
 
     check_devices(args.device, args.backend, dims.local_world)
 
 
 def validate_bench(args: argparse.Namespace) -> list[str]:
     """Every check of ``fullshard bench`` (outside torchrun); returns the variants to run."""
-    from fullshard.app.bench_variants import MIXED_PRECISION, parse_variants
+    from fullshard.app.commands.bench_variants import MIXED_PRECISION, parse_variants
 
     if args.mixed_precision not in MIXED_PRECISION:
         raise ConfigError(
@@ -509,7 +509,7 @@ def validate_bench(args: argparse.Namespace) -> list[str]:
     _positive_seconds(args.timeout, "--timeout")
     _model_and_length(args.model, args.seq_len, "--seq-len")
     _writable_folder(args.out, "--out")
-    from fullshard.app.launch import check_devices
+    from fullshard.app.launch.local import check_devices
 
     check_devices(args.device, args.backend, args.nproc)
     return variants
@@ -550,12 +550,12 @@ def validate_plan_check(args: argparse.Namespace) -> None:
     validate_plan(args)
     _at_least(args, 1, "check_steps")
     _model_and_length(args.model, args.seq or 128, "--seq")
-    from fullshard.app.plan_check import check_config, check_target
+    from fullshard.app.commands.plan_check import check_config, check_target
 
     try:
         check_config(args).shard_group(args.devices)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    from fullshard.app.launch import check_devices
+    from fullshard.app.launch.local import check_devices
 
     check_devices(*check_target(args), args.devices, flag="--check-device")

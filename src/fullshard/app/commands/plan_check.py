@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from fullshard.app.launch import rank_session, resolve_backend
-from fullshard.app.models import build_model, lm_loss, unit_types_of
-from fullshard.app.plan_cli import plan_builtin
-from fullshard.app.wrap import shard_model
+from fullshard.app.commands.plan import plan_builtin
+from fullshard.app.launch.local import rank_session, resolve_backend
+from fullshard.app.models.gpt import build_model, lm_loss, unit_types_of
+from fullshard.app.models.wrap import shard_model
 from fullshard.comm import control
 from fullshard.observe.memory import MemoryTracker
 from fullshard.observe.rss import rss_bytes

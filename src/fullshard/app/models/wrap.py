@@ -63,14 +63,14 @@ def shard_model(
     ``strategy`` is a ``ShardingStrategy`` name; the hybrid ones shard inside groups of
     ``shard_size`` ranks (0: :func:`~fullshard.engine.sharding.hybrid_shard_size`) and replicate
     across the groups. ``tp`` > 1: tensor parallel over that many consecutive ranks inside each
-    block first (``fullshard.app.tensor_parallel``), the strategy over the rest. ``float8``:
+    block first (``fullshard.app.models.tensor_parallel``), the strategy over the rest. ``float8``:
     :func:`convert_float8` first. ``reshard_after_forward`` (``--reshard-after-forward``): what
     the blocks do after forward, ``fully_shard``'s argument (``None``: the strategy's).
     ``cpu_offload``: shard with :class:`~fullshard.CPUOffloadPolicy`. ``dims``: the run's
     parallel dimensions, whose ``tp`` and ``shard_size`` then replace those arguments (default:
     the process group's world and torchrun's environment). A model built with
     ``lazy_weights`` is materialised and loaded after sharding
-    (:func:`fullshard.app.hf.load_pending`). Returns the plan that was applied.
+    (:func:`fullshard.app.models.hf.load_pending`). Returns the plan that was applied.
     """
     dtype = MIXED_PRECISION_DTYPES[mixed_precision]
     # Gradients are reduced in float32 even when computing in bf16/fp16: summing N ranks' low
@@ -93,7 +93,7 @@ def shard_model(
     )
     mesh = None
     if tp > 1:
-        from fullshard.app.tensor_parallel import apply_tensor_parallel, meshes
+        from fullshard.app.models.tensor_parallel import apply_tensor_parallel, meshes
 
         mesh, tp_mesh = meshes(plan, tp, mesh_device_type(model))
         apply_tensor_parallel(model, plan.unit_modules(model), tp_mesh)
@@ -113,7 +113,7 @@ def shard_model(
         activation_checkpointing=activation_checkpointing,
         offload_policy=offload,
     )
-    from fullshard.app.hf import load_pending
+    from fullshard.app.models.hf import load_pending
 
     load_pending(model)  # a lazily built checkpoint: each rank reads its own rows now
     return plan

@@ -1,5 +1,5 @@
 """The corpus checks of ``fullshard train``'s validation (:func:`check_data`, called by
-``fullshard.app.validate.validate_train`` before launch): a text corpus is not empty and gives
+``fullshard.app.commands.validate.validate_train`` before launch): a text corpus is not empty and gives
 every rank a micro-batch, counted from file sizes where they suffice; a prepared folder agrees with
 the flags and is intact, from its index and its files' stats. Nothing is tokenized but bytes.
 """
@@ -18,7 +18,7 @@ __all__ = ["check_data"]
 def _text_files(path: str) -> list[Path]:
     """The files ``load_text`` would read for ``--data path``, each checked to be text (not
     compressed or binary: ``load_text`` would refuse it on every rank)."""
-    from fullshard.app.data import TEXT_SUFFIXES, check_text_file
+    from fullshard.app.data.corpus import TEXT_SUFFIXES, check_text_file
 
     p = Path(path)
     if p.is_file():
@@ -39,8 +39,8 @@ def _text_files(path: str) -> list[Path]:
 
 def check_data(cfg: TrainConfig, dims: ParallelDims) -> None:
     """The corpus is not empty, and (byte tokens) gives every rank one training micro-batch."""
-    from fullshard.app.data import default_corpus, load_text, split_sizes, windows
-    from fullshard.app.token_shards import is_prepared
+    from fullshard.app.data.corpus import default_corpus, load_text, split_sizes, windows
+    from fullshard.app.data.token_shards import is_prepared
 
     if is_prepared(cfg.data):
         _check_prepared(cfg, dims)
@@ -91,8 +91,8 @@ def _check_prepared(cfg: TrainConfig, dims: ParallelDims) -> None:
     flags, its shard files are intact (NOTE [Verifying token shards]: re-hashed only when their
     stat changed), every id is inside the vocabulary, and every data-parallel rank gets a batch.
     All from the index and file stats: the cost does not grow with the corpus."""
-    from fullshard.app.data import windows
-    from fullshard.app.token_shards import (
+    from fullshard.app.data.corpus import windows
+    from fullshard.app.data.token_shards import (
         describe_tokenizer,
         read_index,
         tokenizer_identity,

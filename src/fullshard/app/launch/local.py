@@ -40,7 +40,7 @@ from torch.distributed.rendezvous import rendezvous
 from fullshard.app.config import BACKENDS, DEVICES
 from fullshard.app.dims import ParallelDims, under_torchrun
 from fullshard.app.errors import ERROR_MARKER_ENV, VALIDATED_ENV, ConfigError, read_error
-from fullshard.app.preempt import MARKER_ENV, PREEMPTED_EXIT, AgentSignals, read_marker
+from fullshard.app.launch.preempt import MARKER_ENV, PREEMPTED_EXIT, AgentSignals, read_marker
 from fullshard.comm.device import cuda_usable
 
 __all__ = [
@@ -99,8 +99,8 @@ def forward_flags(
 
 
 def _torchrun_signal_flags() -> tuple[list[str], int | None]:
-    """The ``--signals-to-handle`` flag that leaves :data:`~fullshard.app.preempt.SIGNALS` to
-    our :class:`~fullshard.app.preempt.AgentSignals`, and the signal it passes to the ranks
+    """The ``--signals-to-handle`` flag that leaves :data:`~fullshard.app.launch.preempt.SIGNALS` to
+    our :class:`~fullshard.app.launch.preempt.AgentSignals`, and the signal it passes to the ranks
     (``None``: the one received). Older torch (before ``--signals-to-handle``) handles SIGTERM
     itself and knows no SIGUSR1 (SLURM's usual warning), which we pass on as SIGTERM."""
     from torch.distributed.run import get_args_parser
@@ -184,9 +184,9 @@ RANK_PRELOAD = [
     "torch.distributed.tensor",
     "torch.distributed.checkpoint",
     "torch._dynamo",
-    "fullshard.app.launch",
+    "fullshard.app.launch.local",
     "fullshard.app.cli",
-    "fullshard.app.trainer",
+    "fullshard.app.train.trainer",
 ]
 
 
@@ -265,7 +265,7 @@ def launch_local(
     read their environment at process start.
 
     Call it after validating ``argv``: the ranks are told not to validate again. Returns 0 when
-    every rank succeeded; :data:`~fullshard.app.preempt.PREEMPTED_EXIT` (75) when the ranks
+    every rank succeeded; :data:`~fullshard.app.launch.preempt.PREEMPTED_EXIT` (75) when the ranks
     stopped on a stop signal with a complete checkpoint (NOTE [Preemption]: SIGTERM or SIGUSR1
     sent to this process is passed on to the ranks by the agent); 2 with one message when a
     rank found bad input (NOTE [Input errors on the ranks]); 1 when a rank failed (torchrun

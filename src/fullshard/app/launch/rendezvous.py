@@ -1,9 +1,9 @@
 """``torchrun --rdzv-backend fullshard``: the rendezvous of ``--elastic`` jobs on several
-machines (what it changes in torchrun's ``c10d`` rendezvous, and why: ``app/elastic_launch.py``).
+machines (what it changes in torchrun's ``c10d`` rendezvous, and why: ``app/launch/elastic.py``).
 
 torchrun's registry imports this module when torch's rendezvous package is first imported (the
 ``torchrun.handlers`` entry point): nothing else may import it first, or the registry would
-find it half initialised. Workers read :data:`fullshard.app.elastic_launch.RDZV_ENV` instead.
+find it half initialised. Workers read :data:`fullshard.app.launch.elastic.RDZV_ENV` instead.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
 )
 
-from fullshard.app.elastic_launch import RDZV_ENV
+from fullshard.app.launch.elastic import RDZV_ENV
 
 __all__ = ["FullshardRendezvous", "create_handler", "torchrun_handler"]
 

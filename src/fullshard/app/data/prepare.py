@@ -3,16 +3,16 @@
 Inputs are read as *documents*, in order: a text file is one document (read in chunks cut at a
 newline), a JSONL line's ``text`` field is one, a Parquet or Arrow row's ``text`` column is one.
 A folder contributes its files in sorted order, recursively. Documents are joined with ``"\\n\\n"``
-exactly as :func:`fullshard.app.data.load_text` joins a folder's files, and the token stream is
+exactly as :func:`fullshard.app.data.corpus.load_text` joins a folder's files, and the token stream is
 split into train and validation while it streams by, with the block arithmetic of
-:func:`fullshard.app.data.split_for_rank` (block ``b`` is held out by ``_held_out``, which depends
+:func:`fullshard.app.data.corpus.split_for_rank` (block ``b`` is held out by ``_held_out``, which depends
 on ``b`` alone). So for the byte tokenizer, preparing a file or a text folder gives exactly the
 streams the in-memory path trains on, and training from either gives the same losses.
 
 Nothing holds the corpus: the main process reads chunks of a few MiB, worker processes tokenize
 them (a bounded number in flight), and the main process writes the results in order (the output
 does not depend on ``--workers``). Files are written to a staging folder and moved in when all is
-done, ``index.json`` last (see :mod:`fullshard.app.token_shards` for the format), so an interrupted
+done, ``index.json`` last (see :mod:`fullshard.app.data.token_shards` for the format), so an interrupted
 run never leaves a folder that looks complete, and bad input leaves no partial output.
 
 A Hugging Face tokenizer's text is tokenized chunk by chunk (a chunk ends at a newline), and the
@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from fullshard.app.corpus_stream import (
+from fullshard.app.data.corpus import TEXT_SUFFIXES, VAL_BLOCK, held_out_block
+from fullshard.app.data.corpus_stream import (
     DATA_SUFFIXES,
     encoded,
     fast_tokenizer_matches,
@@ -43,9 +44,7 @@ from fullshard.app.corpus_stream import (
     input_files,
     segment_batches,
 )
-from fullshard.app.data import TEXT_SUFFIXES, VAL_BLOCK, held_out_block
-from fullshard.app.errors import ConfigError
-from fullshard.app.token_shards import (
+from fullshard.app.data.token_shards import (
     FORMAT,
     FORMAT_VERSION,
     INDEX,
@@ -57,6 +56,7 @@ from fullshard.app.token_shards import (
     verify_shards,
     write_json_atomic,
 )
+from fullshard.app.errors import ConfigError
 
 __all__ = ["PrepareOptions", "add_prepare_arguments", "input_files", "prepare", "run_prepare"]
 
@@ -285,7 +285,7 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
     files = input_files(opts.inputs)
     vocab = 256
     if opts.tokenizer != "byte":
-        from fullshard.app.data import HFTokenizer
+        from fullshard.app.data.corpus import HFTokenizer
 
         vocab = HFTokenizer(opts.tokenizer).vocab_size
     identity = tokenizer_identity(opts.tokenizer, vocab)

@@ -133,7 +133,7 @@ class StepBook:
             # every rank reached the same verdict: no rank's parameters change that step
             self.skipped.append(v.step)
             if self.cfg.on_nonfinite == "stop":
-                from fullshard.app.faults import NonFiniteError
+                from fullshard.app.train.faults import NonFiniteError
 
                 raise NonFiniteError(
                     f"rank {self.rank}: step {v.step} produced a non-finite loss or gradient "
