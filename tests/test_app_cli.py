@@ -217,7 +217,7 @@ def test_no_progress_bar_lines_in_pipes_but_plain_log_lines(runs: Path) -> None:
 
 
 def test_progress_bar_only_on_a_terminal() -> None:
-    from fullshard.app.train.trainer import progress_bar
+    from fullshard.app.train.monitor import progress_bar
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

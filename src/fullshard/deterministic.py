@@ -133,25 +133,9 @@ def enable(module: nn.Module) -> None:
     fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
     if not fsdp:
         raise FullshardError("fullshard.deterministic.enable: no fully_shard unit in the module")
-    for unit in {id(u): u for m in fsdp for u in m._units(recurse=False)}.values():
-        if unit.comm.custom_reduce_scatter is not None:
-            raise FullshardError(
-                f"unit '{unit.name}' has a custom reduce-scatter: fixed-order mode sums the "
-                "ranks' blocks itself; drop set_custom_reduce_scatter"
-            )
-        narrow = [
-            p.fqn
-            for p in unit.trainable
-            if torch.finfo(unit.reduce_dtype).bits < torch.finfo(p.sharded.dtype).bits
-        ]
-        if narrow:
-            raise FullshardError(
-                f"unit '{unit.name}' reduces {narrow[0]} in {unit.reduce_dtype}, narrower than "
-                "the parameter: fixed-order mode needs MixedPrecisionPolicy(reduce_dtype=) "
-                "equal to the parameters' dtype (e.g. torch.float32 with bf16 compute)"
-            )
-        unit.comm.fixed_order = True
-        unit.divide_factor = 1.0
+    for m in fsdp:
+        m.set_fixed_order_reduction()
+        m.set_gradient_divide_factor(1.0)
 
 
 def seed_micro_batch(seed: int, step: int, index: int) -> None:

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from fullshard.app.config import add_train_arguments, config_from_args, to_flags
+from fullshard.app.config import add_train_arguments, config_from_args, from_env, to_env
 from fullshard.app.errors import ConfigError
 from fullshard.policies import FullshardError
 
@@ -252,32 +252,37 @@ def _train(args: argparse.Namespace) -> int:
     from fullshard.app.dims import ParallelDims, under_torchrun
     from fullshard.app.launch.local import launch_local
 
-    cfg = config_from_args(args)
+    # a rank our launcher started gets the config it validated (an external torchrun's parse)
+    cfg = from_env(os.environ) if under_torchrun() else None
+    launched = cfg is not None
+    cfg = cfg or config_from_args(args)
     # the run's parallel dimensions, built once: validation, the launch and the trainer share it
     dims = ParallelDims.from_env(
         cfg.nproc, tp=cfg.tp, strategy=cfg.strategy, shard_size=cfg.shard_size
     )
-    if not _validated_by_launcher():
+    if not launched:
         from fullshard.app.commands.validate import validate_train
 
         validate_train(cfg, dims)
     if not under_torchrun():
         if cfg.name is None:  # named here, so that restarted ranks find the same run folder
             cfg.name = time.strftime("%Y%m%d-%H%M%S")
-        # The ranks get the resolved config as explicit full-name flags, not our raw argv:
-        # torchrun's own parser would otherwise claim abbreviations such as "--nproc"
-        # (a prefix of its --nproc-per-node), and the ranks need no config file.
-        flags = to_flags(cfg, exclude=("nproc", "max_restarts"))
+        # the ranks get the validated config itself (their argv is just the command: torchrun's
+        # own parser would claim abbreviations such as "--nproc", a prefix of its
+        # --nproc-per-node)
+        env = {**os.environ, **to_env(cfg)}
         if cfg.elastic:
             from fullshard.app.launch.elastic import launch_elastic
 
-            return launch_elastic(
-                cfg.nproc, ["train", *flags], max_replacements=cfg.max_replacements
-            )
-        return launch_local(cfg.nproc, ["train", *flags], max_restarts=cfg.max_restarts)
+            return launch_elastic(cfg.nproc, ["train"], max_replacements=cfg.max_replacements,
+                                  env=env)  # fmt: skip
+        return launch_local(cfg.nproc, ["train"], max_restarts=cfg.max_restarts, env=env)
     from fullshard.app.launch.preempt import PREEMPTED_EXIT
-    from fullshard.app.train.trainer import train
 
+    if cfg.elastic:
+        from fullshard.app.train.elastic import train_elastic as train
+    else:
+        from fullshard.app.train.trainer import train
     summary = train(cfg, dims)
     # a stop signal (NOTE [Preemption]): checkpointed, unfinished, to be resumed
     return PREEMPTED_EXIT if summary.get("preempted_after") is not None else 0

@@ -33,14 +33,16 @@ __all__ = [
     "add_train_arguments",
     "config_from_args",
     "load_toml",
+    "from_env",
     "reshard_after_forward_arg",
-    "to_flags",
+    "to_env",
     "to_toml",
 ]
 
 MIXED_PRECISION = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")  # --backend; fullshard.app.launch.local resolves them
+CONFIG_ENV = "FULLSHARD_TRAIN_CONFIG"  # the validated config a launcher hands its ranks (JSON)
 
 
 def _opt(default: Any, help: str, *, group: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -413,22 +415,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def to_flags(cfg: TrainConfig, *, exclude: tuple[str, ...] = ()) -> list[str]:
-    """Command-line flags (full names) that reproduce ``cfg``: the options that differ from the
-    defaults, minus ``exclude``. Used to hand the resolved config to launched ranks.
-    """
-    flags: list[str] = []
-    for f in fields(TrainConfig):
-        value = getattr(cfg, f.name)
-        if f.name in exclude or value == f.default:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + flag[2:])
-        else:
-            # "--flag=value" keeps a value that starts with "-" from reading as an option.
-            flags.append(f"{flag}={value!r}" if isinstance(value, float) else f"{flag}={value}")
-    return flags
+def to_env(cfg: TrainConfig) -> dict[str, str]:
+    """The validated ``cfg`` as the environment a launcher hands its ranks: they read the
+    config itself back (:func:`from_env`), not flags to parse and check again."""
+    return {CONFIG_ENV: json.dumps({f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})}
+
+
+def from_env(environ: dict[str, str] | Any) -> TrainConfig | None:
+    """The config :func:`to_env` put in ``environ`` (``None`` when there is none)."""
+    raw = environ.get(CONFIG_ENV)
+    return None if raw is None else TrainConfig(**json.loads(raw))
 
 
 def to_toml(cfg: TrainConfig) -> str:

@@ -114,6 +114,31 @@ class FSDPModule:
             )
         self._fullshard_state.unit.divide_factor = float(factor)
 
+    def set_fixed_order_reduction(self) -> None:
+        """Reduce this unit's gradients as a plain sum over the ranks in one fixed order, a
+        balanced tree in rank order (NOTE [Sums in a fixed order]), so that they have the same
+        bits at any world size (``fullshard.deterministic``). Not with a custom reduce-scatter,
+        nor with a reduce dtype narrower than the parameters (the tree's partial sums would be
+        rounded at other levels at each world size)."""
+        unit = self._fullshard_state.unit
+        if unit.comm.custom_reduce_scatter is not None:
+            raise FullshardError(
+                f"unit '{unit.name}' has a custom reduce-scatter: fixed-order mode sums the "
+                "ranks' blocks itself; drop set_custom_reduce_scatter"
+            )
+        narrow = [
+            p.fqn
+            for p in unit.trainable
+            if torch.finfo(unit.reduce_dtype).bits < torch.finfo(p.sharded.dtype).bits
+        ]
+        if narrow:
+            raise FullshardError(
+                f"unit '{unit.name}' reduces {narrow[0]} in {unit.reduce_dtype}, narrower than "
+                "the parameter: fixed-order mode needs MixedPrecisionPolicy(reduce_dtype=) "
+                "equal to the parameters' dtype (e.g. torch.float32 with bf16 compute)"
+            )
+        unit.comm.fixed_order = True
+
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
         self.set_gradient_divide_factor(factor)
@@ -144,7 +169,14 @@ class FSDPModule:
         sums every rank's block for this rank into it; fullshard passes ``ReduceOp.SUM`` and
         divides afterwards)."""
         self._check_comm(comm, "set_custom_reduce_scatter", "ReduceScatter")
-        self._fullshard_state.unit.comm.custom_reduce_scatter = comm
+        unit = self._fullshard_state.unit
+        if unit.comm.fixed_order:  # it would silently drop the fixed order
+            raise FullshardError(
+                f"set_custom_reduce_scatter on unit '{unit.name}', whose reduction is in a fixed "
+                "order (set_fixed_order_reduction, fullshard.deterministic.enable): fixed-order "
+                "mode sums the ranks' blocks itself"
+            )
+        unit.comm.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None

@@ -127,16 +127,22 @@ def apply_plan(
     mp_policy: MixedPrecisionPolicy | None = None,
     activation_checkpointing: bool = False,
     offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
 ) -> nn.Module:
-    """``fully_shard`` every unit of ``plan`` (innermost first), then the root; returns ``model``."""
+    """``fully_shard`` every unit of ``plan`` (innermost first), then the root; returns ``model``.
+
+    ``reshard_after_forward``: what the units (not the root) do after forward, in place of the
+    strategy's (``fully_shard``'s argument; ``None``: the plan's)."""
     shard_mesh = plan_mesh(plan, mesh, model)
     kwargs: dict[str, Any] = {"mesh": shard_mesh, "offload_policy": offload_policy}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    if reshard_after_forward is None:
+        reshard_after_forward = plan.reshard_after_forward
     targets = [m for m in plan.unit_modules(model) if not isinstance(m, FSDPModule)]
     for module in reversed(targets):  # innermost first: fully_shard wants children done first
         if activation_checkpointing:
             _checkpoint_forward(module)
-        fully_shard(module, reshard_after_forward=plan.reshard_after_forward, **kwargs)
+        fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=plan.root_reshard_after_forward, **kwargs)
     return model

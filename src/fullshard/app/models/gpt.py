@@ -299,18 +299,23 @@ def generate(
     top_k: int | None = None,
     *,
     generator: torch.Generator | None = None,
+    context: int | None = None,
 ) -> torch.Tensor:
     """Sample ``n`` tokens after ``prompt_ids`` (shape ``(seq,)`` or ``(batch, seq)``).
 
     Recomputes the whole (cropped) context each step: no KV cache, which keeps this correct for
     any model, sharded or not. Under FSDP every rank must call it with the same shapes and ``n``
     (each forward gathers parameters); pass the same seeded ``generator`` on every rank to get
-    the same text everywhere. ``temperature <= 0`` means greedy decoding.
+    the same text everywhere. ``temperature <= 0`` means greedy decoding. ``context``: read at
+    most that many tokens back (default: the model's positions); a model trained on shorter
+    sequences than its positions has never learned to read past them.
     """
     was_training = model.training
     model.eval()
     ids = prompt_ids.unsqueeze(0) if prompt_ids.dim() == 1 else prompt_ids
     ctx = model_context_length(model)
+    if context is not None:
+        ctx = context if ctx is None else min(ctx, context)
     try:
         for _ in range(n):
             window = ids if ctx is None else ids[:, -ctx:]

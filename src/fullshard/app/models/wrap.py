@@ -12,21 +12,17 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from fullshard import (
     CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
-    fully_shard,
 )
 from fullshard.app.dims import ParallelDims
 from fullshard.engine.gradients import scale_, total_norm
 from fullshard.engine.parallelize import (
-    _checkpoint_forward,
     apply_plan,
     mesh_device_type,
-    plan_mesh,
 )
 from fullshard.engine.sharding import ShardingPlan, plan_sharding
 from fullshard.policies import FullshardError
@@ -97,12 +93,6 @@ def shard_model(
 
         mesh, tp_mesh = meshes(plan, tp, mesh_device_type(model))
         apply_tensor_parallel(model, plan.unit_modules(model), tp_mesh)
-    offload = CPUOffloadPolicy() if cpu_offload else None
-    if reshard_after_forward is not None:
-        mesh = plan_mesh(plan, mesh, model)
-        _shard_blocks(
-            model, plan, mesh, reshard_after_forward, mp, offload, activation_checkpointing
-        )
     # the engine puts the units where the model is (a GPU shared over gloo included), or on
     # the GPU when the backend moves only CUDA tensors
     apply_plan(
@@ -111,37 +101,13 @@ def shard_model(
         mesh=mesh,
         mp_policy=mp,
         activation_checkpointing=activation_checkpointing,
-        offload_policy=offload,
+        offload_policy=CPUOffloadPolicy() if cpu_offload else None,
+        reshard_after_forward=reshard_after_forward,
     )
     from fullshard.app.models.hf import load_pending
 
     load_pending(model)  # a lazily built checkpoint: each rank reads its own rows now
     return plan
-
-
-def _shard_blocks(
-    model: nn.Module,
-    plan: ShardingPlan,
-    mesh: DeviceMesh | None,
-    reshard_after_forward: bool | int,
-    mp: MixedPrecisionPolicy,
-    offload: CPUOffloadPolicy | None,
-    activation_checkpointing: bool,
-) -> None:
-    """``fully_shard`` the plan's blocks, innermost first, with ``reshard_after_forward`` in
-    place of the strategy's, as ``apply_plan`` would; ``apply_plan`` then wraps only the root
-    (it skips modules that are units already), which keeps the plan's root rule: backward
-    needs the root first. (``apply_plan`` takes no ``reshard_after_forward`` of its own.)"""
-    for module in reversed(plan.unit_modules(model)):
-        if activation_checkpointing:
-            _checkpoint_forward(module)
-        fully_shard(
-            module,
-            mesh=mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=mp,
-            offload_policy=offload,
-        )
 
 
 def float8_missing() -> str:

@@ -1,6 +1,7 @@
-"""What one rank trains with, built from scratch: the sharded model, its AdamW and schedule,
-and the fixed-order steps with their validation batches (``fullshard train``; ``--elastic``
-builds them again for each new membership)."""
+"""What one rank trains with, built from scratch: its data (once per process), the sharded
+model, its AdamW and schedule in the train state, and the step's batches and decider
+(``fullshard train``; ``--elastic`` builds the model and what follows again for each new
+membership)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,18 @@ from torch import nn
 
 from fullshard import ShardedGradScaler
 from fullshard.app.config import TrainConfig, reshard_after_forward_arg
+from fullshard.app.data.corpus import RankBatches, eval_batches, split_for_rank
 from fullshard.app.dims import ParallelDims
 from fullshard.app.errors import ConfigError
 from fullshard.app.models.gpt import build_model, count_params, output_vocab_size, unit_types_of
-from fullshard.app.train.verdict import (
-    DeviceSchedule,
-    StepVerdicts,
-    cosine_multiplier,
-    fused_adamw_available,
-)
+from fullshard.app.models.wrap import shard_model
+from fullshard.app.train.fixed_order import GlobalBatches
+from fullshard.app.train.state import TrainState
+from fullshard.app.train.steps import Accumulate, Batches, Decider, DeviceStep, HostStep
+from fullshard.app.train.verdict import DeviceSchedule, fused_adamw_available
 from fullshard.comm.device import cuda_semantics
 
-__all__ = ["RankBuild", "build_rank", "lr_lambda", "param_groups", "to_device"]
+__all__ = ["Built", "RankData", "build_rank", "lr_lambda", "param_groups", "rank_data"]
 
 
 # Parameter-name fragments that get no weight decay: decaying biases, norm gains or embedding
@@ -54,79 +55,78 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` without waiting for the device: a pageable host-to-GPU copy blocks
-    the host until the GPU has finished everything queued before it, so batches go through
-    pinned memory, asynchronously (the caching host allocator keeps the pinned buffer alive
-    until the copy has run)."""
-    if not cuda_semantics(device):
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+@dataclass
+class RankData:
+    """A rank's data, read once per process (a membership change keeps it): the sampler whose
+    position the train state holds, and the validation text or batches."""
+
+    tokenizer: Any
+    tokens: int  # the corpus' tokens
+    sampler: RankBatches
+    val_tokens: Any
+    val: list  # the default step's validation batches (this rank's)
+    words: str  # the run line's words for the training text
+
+
+def rank_data(
+    cfg: TrainConfig, dims: ParallelDims, tokenizer: Any, tokens: Any, rank: int
+) -> RankData:
+    """The global sampler over the unsplit stream (``--deterministic``, ``--elastic``), or the
+    slice of the text of ``rank``'s data-parallel rank (the ``--tp`` ranks of one group read
+    the same)."""
+    if cfg.global_sampler:  # (fullshard.app.train.fixed_order)
+        train_tokens, val_tokens = split_for_rank(tokens, 0, 1, cfg.val_fraction)
+        sampler = RankBatches(
+            train_tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=0,
+            world_independent=True,
+        )  # fmt: skip
+        return RankData(
+            tokenizer, len(tokens), sampler, val_tokens, [],
+            f"{len(train_tokens):,} train, one global sampler",
+        )  # fmt: skip
+    dp_rank, micro = dims.dp_rank(rank), cfg.micro_batch(dims.dp)
+    train_tokens, val_tokens = split_for_rank(tokens, dp_rank, dims.dp, cfg.val_fraction)
+    sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
+    val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
+    return RankData(
+        tokenizer, len(tokens), sampler, val_tokens, val,
+        f"{len(train_tokens):,} train per rank",
+    )  # fmt: skip
 
 
 @dataclass
-class RankBuild:
+class Built:
     """What one rank trains with, built from scratch (at the start, and by ``--elastic`` for
-    each new membership)."""
+    each new membership): the train state, and the step's two choices (``steps.py``)."""
 
-    model: nn.Module
-    plan: Any
-    fixed: Any
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LambdaLR
-    dsched: DeviceSchedule | None
-    verdicts: StepVerdicts
+    state: TrainState
+    batches: Batches
+    decider: Decider
     scaler: ShardedGradScaler | None
+    plan: Any  # the sharding plan applied (fullshard.engine.sharding.ShardingPlan)
     n_params: int
-    val: list
-    val_count: int
 
 
 def build_rank(
-    cfg: TrainConfig,
-    dims: ParallelDims,
-    tokenizer: Any,
-    rank: int,
-    world: int,
+    cfg: TrainConfig, dims: ParallelDims, data: RankData, rank: int, world: int,
     device: torch.device,
-    val_tokens: Any,
-) -> RankBuild:
-    """The sharded model, its optimizer and schedule, and the fixed-order steps (with their
-    validation batches) of ``rank`` among ``world`` ranks."""
-    micro = cfg.micro_batch(dims.dp)
-    val: list = []
+) -> Built:  # fmt: skip
+    """The sharded model, its optimizer and schedule, and the step's batches and decider, of
+    ``rank`` among ``world`` ranks (``dims`` at that world)."""
     # lazy_weights: a safetensors checkpoint is built on meta and loaded by shard_model, each
     # rank reading only its rows; so the vocabulary is read off the output layer, not a forward
-    model = build_model(
-        cfg.model, tokenizer.vocab_size, seed=cfg.seed, device=device, lazy_weights=True
-    )
+    vocab_size = data.tokenizer.vocab_size
+    model = build_model(cfg.model, vocab_size, seed=cfg.seed, device=device, lazy_weights=True)
     n_params = count_params(model)
     vocab = output_vocab_size(model)
-    if vocab < tokenizer.vocab_size:
-        raise ConfigError(f"model vocabulary {vocab} < tokenizer vocabulary {tokenizer.vocab_size}")
-
-    from fullshard.app.models.wrap import shard_model
-
+    if vocab < vocab_size:
+        raise ConfigError(f"model vocabulary {vocab} < tokenizer vocabulary {vocab_size}")
     plan = shard_model(
-        model,
-        cfg.strategy,
-        unit_types_of(model),
-        mixed_precision=cfg.mixed_precision,
-        dims=dims,
-        activation_checkpointing=cfg.activation_checkpointing,
-        float8=cfg.float8,
+        model, cfg.strategy, unit_types_of(model), mixed_precision=cfg.mixed_precision,
+        dims=dims, activation_checkpointing=cfg.activation_checkpointing, float8=cfg.float8,
         reshard_after_forward=reshard_after_forward_arg(cfg.reshard_after_forward),
         cpu_offload=cfg.cpu_offload,
-    )
-    fixed, val_count = None, 0
-    if cfg.global_sampler:
-        from fullshard.app.train.fixed_order import FixedOrderSteps
-
-        fixed = FixedOrderSteps(
-            model, global_batch=cfg.batch_size, micro_batch=micro, seed=cfg.seed, rank=rank,
-            world=world, device=device, to_device=to_device, exact=cfg.deterministic,
-        )  # fmt: skip
-        val, val_count = fixed.val_batches(val_tokens, cfg.seq_len, cfg.eval_batches)
+    )  # fmt: skip
     # NOTE [The step's verdict on the device]: on the CUDA path the device skips non-finite
     # steps (fused AdamW's found_inf, a device schedule) and the host reads verdicts a step late.
     # Not with --cpu-offload: the optimizer's parameters live on the host, whose kernel would
@@ -139,14 +139,30 @@ def build_rank(
         betas=(cfg.beta1, cfg.beta2),
         **({"fused": True} if on_device else {}),
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    )
-    multiplier = cosine_multiplier(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    dsched = DeviceSchedule(opt, sched, multiplier, device) if on_device else None
-    verdicts = StepVerdicts(lag=1 if on_device else 0)
+
+    def multiplier(step: int) -> float:
+        return lr_lambda(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, multiplier)
+    schedule = DeviceSchedule(opt, sched, multiplier, cfg.max_steps, device) if on_device else None
+    state = TrainState(model, opt, sched, data.sampler, schedule)
     # fp16 needs loss scaling; the sharded scaler makes the skip decision on every rank alike
     scaler = ShardedGradScaler(device.type) if cfg.mixed_precision == "fp16" else None
-    return RankBuild(
-        model, plan, fixed, opt, sched, dsched, verdicts, scaler, n_params, val, val_count
+    batches: Batches
+    if cfg.global_sampler:
+        batches = GlobalBatches(
+            model, data.sampler, global_batch=cfg.batch_size, micro_batch=cfg.micro_batch(dims.dp),
+            seed=cfg.seed, rank=rank, world=world, device=device, fixed_order=cfg.deterministic,
+            val_tokens=data.val_tokens, seq_len=cfg.seq_len, eval_batches=cfg.eval_batches,
+        )  # fmt: skip
+    else:
+        words = (
+            f"micro-batch {cfg.micro_batch(dims.dp)} x {cfg.seq_len}, grad-accum {cfg.grad_accum}"
+        )
+        batches = Accumulate(data.sampler, cfg.grad_accum, device, scaler, data.val, words)
+    decider: Decider = (
+        HostStep(state, scaler, cfg.clip)
+        if schedule is None
+        else DeviceStep(state, schedule, scaler, cfg.clip)
     )
+    return Built(state, batches, decider, scaler, plan, n_params)

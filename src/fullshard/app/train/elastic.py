@@ -3,9 +3,9 @@
 A rank joins its generation's process group through :class:`fullshard.elastic.Manager` (the
 store is hosted by fullshard's launcher, or by the first node's torchrun agent under
 ``--rdzv-backend fullshard``: ``app/launch/elastic.py``); at every ``--elastic-every``-th
-step boundary the trainer hands the manager its model, optimizer and :func:`loop_state`; when a
-step fails (or rank 0 admits new ranks), :func:`recover` settles the next membership, has the
-trainer rebuild its model for it and loads the newest boundary the participants hold, in
+step boundary :class:`ElasticTrainer` hands the manager its train state (model, optimizer and
+loop state); when a step fails (or rank 0 admits new ranks), it settles the next membership,
+rebuilds its train state for it and loads the newest boundary the participants hold, in
 memory. A process that joins a running job starts the same way and receives the state from its
 peers (``joined_now``).
 
@@ -21,31 +21,38 @@ the newest complete checkpoint on disk, and every rank exits with status 1 witho
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, NoReturn
-
-import torch
-from torch import nn
 
 from fullshard.app.config import TrainConfig
 from fullshard.app.dims import ParallelDims
 from fullshard.app.errors import ConfigError
 from fullshard.app.launch.elastic import LAUNCHER_ENV
 from fullshard.app.launch.local import DistInfo, leave_together, prepare_rank
-from fullshard.elastic import Aborted, Layout, Lost, Manager, Membership, abort_groups
+from fullshard.app.train.build import RankData, rank_data
+from fullshard.app.train.faults import NonFiniteError
+from fullshard.app.train.monitor import MetricsLog
+from fullshard.app.train.state import LoopState, TrainCheckpoints
+from fullshard.app.train.trainer import Trainer, device_checks, read_text
+from fullshard.app.train.verdict import StepBook
+from fullshard.checkpoint import latest_checkpoint
+from fullshard.comm import control
+from fullshard.elastic import Aborted, Layout, Lost, Manager, abort_groups
 from fullshard.elastic.membership import JobFinished
 
 __all__ = [
     "RUN_DIR",
-    "apply_loop_state",
+    "ElasticTrainer",
     "dims_at",
     "elastic_session",
-    "join_restore",
-    "loop_state",
-    "recover",
+    "train_elastic",
     "world_rules",
 ]
 
@@ -115,62 +122,133 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
-def loop_state(sched: Any, sampler: Any, skipped: list[int], dsched: Any) -> dict[str, Any]:
-    """What a boundary holds besides model and optimizer (the same on every rank). On the CUDA
-    path the schedule's count of applied steps lives on the device (``dsched``, NOTE [The
-    step's verdict on the device]): it is copied with the shards, never read here."""
-    state = {"scheduler": sched.state_dict(), "sampler": sampler.state_dict(), "skipped": skipped}
-    if dsched is not None:
-        state["applied"] = dsched.applied
-    return state
+class ElasticTrainer(Trainer):
+    """The trainer under live recovery: at every step boundary its train state's copies go to
+    the manager; a step that fails on a lost rank (or rank 0's regroup to admit new ranks)
+    settles the next membership, rebuilds the train state for it, restores the newest boundary
+    the participants hold, and goes on from there. A process that joins a running job starts
+    from its peers' state instead of the disk."""
 
+    def __init__(self, cfg: TrainConfig, dims: ParallelDims, info: DistInfo, data: RankData,
+                 mgr: Manager) -> None:  # fmt: skip
+        self.mgr = mgr
+        self.joiner = mgr.membership is not None and mgr.membership.joined_now
+        super().__init__(cfg, dims_at(dims, info.world_size), info, data)
 
-def apply_loop_state(
-    state: dict[str, Any], sched: Any, sampler: Any, skipped: list[int], dsched: Any
-) -> None:
-    sched.load_state_dict(state["scheduler"])
-    sampler.load_state_dict(state["sampler"])
-    skipped[:] = state["skipped"]
-    if dsched is not None:  # the device count (recovery reads it: not a steady-state step)
-        if "applied" in state:
-            sched.last_epoch = int(state["applied"].item())
-        dsched.reload()
+    def build(self, rank: int, world: int) -> None:
+        self.dims = dims_at(self.dims, world)
+        super().build(rank, world)
 
+    def run_folder(self) -> tuple[Path | None, str]:
+        """The run folder rank 0 of generation 0 named (in the job's store), for every
+        generation's rank 0."""
+        if self.joiner:
+            run_dir = self._noted_run_dir()
+            return run_dir, self.cfg.checkpoint_dir or str(run_dir / "checkpoints")
+        pids = control.all_gather_objects(os.getpid())  # generation 0's, for summary.json
+        mine, folder = super().run_folder()
+        if mine is not None:
+            self.mgr.jobs.set_note(RUN_DIR, str(mine))
+            self.mgr.jobs.set_note("pids_at_start", json.dumps(pids))
+        return mine, folder
 
-def recover(
-    mgr: Manager,
-    error: Exception,
-    rebuild: Callable[[Membership], tuple[nn.Module, torch.optim.Optimizer, Any]],
-    newest_checkpoint: Callable[[], str | None],
-) -> tuple[Membership, Any, dict[str, Any], int]:
-    """After ``error`` in a step: the new membership, what ``rebuild`` built for it (a model and
-    optimizer, loaded here, and anything else it returns third), the loop state and the step of
-    the boundary they were loaded from. A loss during recovery starts it again with the next
-    generation; a loss that cannot be recovered ends the job (:func:`_give_up`)."""
-    while True:
+    def _noted_run_dir(self) -> Path:
+        noted = self.mgr.jobs.note(RUN_DIR)
+        assert noted is not None, "generation 0's rank 0 notes the run folder before any step"
+        return Path(noted)
+
+    def start(self) -> int:
+        """A new process takes its state from its peers (in memory); the others start as
+        without --elastic."""
+        if not self.joiner:
+            return super().start()
+        done = self.restore(lambda: latest_checkpoint(self.folder))
+        if self.rank == 0:
+            assert self.run_dir is not None
+            self.log = MetricsLog(self.run_dir / "metrics.jsonl", append=True)
+        return done
+
+    def restore(self, newest_checkpoint: Callable[[], str | None]) -> int:
+        """Load the newest boundary the participants hold into the train state; its step."""
+        loop: dict[str, Any] = {}
         try:
-            m = mgr.recover(error)
-            model, opt, extra = rebuild(m)
-            state: dict[str, Any] = {}
-            step = mgr.restore(model, opt, state)
-            return m, extra, state, step
+            step = self.mgr.restore(self.state.model, self.state.optimizer, loop)
         except Lost as exc:
-            _give_up(mgr, exc, newest_checkpoint)
-        except Exception as again:  # another loss while recovering: the next generation
-            error = again
+            _give_up(self.mgr, exc, newest_checkpoint)
+        self.state.apply(LoopState(**loop))
+        return step
+
+    def before_step(self, step: int) -> None:
+        """The step boundary: the ring copies of the state after ``step - 1`` steps."""
+        self.mgr.snapshot(
+            step - 1, self.state.model, self.state.optimizer,
+            self.state.loop_state(gather=False).to_dict(),
+        )  # fmt: skip
+        super().before_step(step)
+
+    def joining(self) -> Any:
+        return self.mgr.join_waiting_or_whole
+
+    def step_or_recover(self, step: int) -> int:
+        try:
+            return super().step_or_recover(step)
+        except (ConfigError, NonFiniteError):
+            raise  # not a lost rank: bad input, or --on-nonfinite stop
+        except Exception as exc:
+            return self.recover(exc) + 1
+
+    def recover(self, error: Exception) -> int:
+        """After ``error`` in a step: the new membership, this trainer rebuilt for it and the
+        newest boundary restored; that boundary's step. A loss during recovery starts it again
+        with the next generation; a loss that cannot be recovered ends the job."""
+        newest = functools.partial(self.ckpt.resolve, "latest")
+        while True:
+            try:
+                m = self.mgr.recover(error)
+                self.build(m.rank, m.world)
+                done = self.restore(newest)
+                break
+            except Lost as exc:
+                _give_up(self.mgr, exc, newest)
+            except Exception as again:  # another loss while recovering: the next generation
+                error = again
+        self.ckpt = TrainCheckpoints(
+            self.folder, self.state, keep=self.cfg.keep, async_save=self.cfg.async_save
+        )
+        if self.rank == 0 and self.log is None:  # rank 0 was lost: the log moves here
+            self.run_dir = self._noted_run_dir()
+            self.log = MetricsLog(self.run_dir / "metrics.jsonl", append=True)
+        elif self.rank != 0 and self.log is not None:  # no longer rank 0 (left out, back later)
+            self.log.close()
+            self.log = None
+        self.losses.clear()  # the steps since the boundary are taken (and logged) again
+        self.book = StepBook(self.cfg, self.rank, self.scaler is None, self.log, self.losses,
+                             self.state.skipped)  # fmt: skip
+        self.last_step, self.last_t = done, time.perf_counter()
+        if self.rank == 0:
+            print(f"elastic: {self.mgr.changes[-1]}", flush=True)
+        return done
+
+    def summary(self, wall: float) -> dict[str, Any]:
+        """Besides the run's: one entry per membership change, and who is in the last one."""
+        summary = super().summary(wall)
+        if self.joiner:
+            summary["resumed_from"] = None  # from its peers, not a checkpoint on disk
+        summary["membership"] = self.mgr.changes
+        summary["pids_at_start"] = json.loads(self.mgr.jobs.note("pids_at_start") or "[]")
+        summary["pids"] = control.all_gather_objects(os.getpid())
+        summary["elastic_copy_s"] = round(self.mgr.snapshot_s, 3)
+        summary["elastic_copy_bytes"] = self.mgr.copy_bytes  # own + neighbour's, one boundary
+        return summary
 
 
-def join_restore(
-    mgr: Manager, model: nn.Module, opt: torch.optim.Optimizer, folder: str
-) -> tuple[dict[str, Any], int]:
-    """A new rank's state from its peers (the loop state, and the boundary's step)."""
-    from fullshard.checkpoint import latest_checkpoint
-
-    state: dict[str, Any] = {}
-    try:
-        return state, mgr.restore(model, opt, state)
-    except Lost as exc:
-        _give_up(mgr, exc, lambda: latest_checkpoint(folder))
+def train_elastic(cfg: TrainConfig, dims: ParallelDims) -> dict[str, Any]:
+    """``fullshard train --elastic`` on this rank: join the current generation (the launcher's
+    store), train, leave together."""
+    tokenizer, tokens = read_text(cfg)
+    with elastic_session(cfg, dims) as (info, mgr), device_checks():
+        data = rank_data(cfg, dims_at(dims, info.world_size), tokenizer, tokens, info.rank)
+        return ElasticTrainer(cfg, dims, info, data, mgr).train()
 
 
 def _give_up(mgr: Manager, lost: Lost, newest_checkpoint: Callable[[], str | None]) -> NoReturn:

@@ -2,7 +2,7 @@
 figures in a fixed order (``fullshard.deterministic``), so that the weights are the same bits at
 any power-of-two world size and after a resume on another one.
 
-``--elastic`` without ``--deterministic`` (``exact=False``) keeps the global sampler and the
+``--elastic`` without ``--deterministic`` (``fixed_order=False``) keeps the global sampler and the
 micro-batches, which a changed membership needs, and sums the gradients as the default does: a
 rank adds its micro-batches up and one reduce-scatter sums the ranks' (so any world dividing the
 number of micro-batches works, and the weights differ in the last bits between world sizes).
@@ -17,7 +17,6 @@ others runs a copy of the first as padding (every forward is a collective), not 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from torch import nn
 
 from fullshard.app.data.corpus import eval_batches
 from fullshard.app.models.gpt import lm_loss
+from fullshard.app.train.steps import to_device
 from fullshard.comm.device import cuda_semantics
 from fullshard.deterministic import (
     GradientTree,
@@ -36,20 +36,24 @@ from fullshard.deterministic import (
 )
 from fullshard.engine.fsdp_module import FSDPModule
 
-__all__ = ["FixedOrderSteps"]
+__all__ = ["GlobalBatches"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-class FixedOrderSteps:
-    """The training step and validation of one rank in fixed-order mode.
+class GlobalBatches:
+    """One rank's share of the step's global batch (the trainer's :class:`Batches` for
+    ``--deterministic`` and ``--elastic``), and validation in the global order.
 
-    ``model`` is sharded already; ``to_device`` moves a host batch to the rank's device
-    (the trainer's, pinned on CUDA)."""
+    ``model`` is sharded already; ``sampler`` draws the step's whole global batch (the global
+    sampler). ``fixed_order``: sums in a fixed tree, the same bits at any world size
+    (``--deterministic``); else plain sums (``--elastic`` alone): each rank adds its
+    micro-batches up and one reduce-scatter sums the ranks'."""
 
     def __init__(
         self,
         model: nn.Module,
+        sampler: Any,
         *,
         global_batch: int,
         micro_batch: int,
@@ -57,14 +61,17 @@ class FixedOrderSteps:
         rank: int,
         world: int,
         device: torch.device,
-        to_device: Callable[[torch.Tensor, torch.device], torch.Tensor],
-        exact: bool = True,
+        fixed_order: bool,
+        val_tokens: Any,
+        seq_len: int,
+        eval_batches: int,
     ) -> None:
         self.plan = MicroBatches(global_batch, micro_batch)
-        self.rank, self.world, self.seed, self.exact = rank, world, seed, exact
-        self.device, self._to_device = device, to_device
+        self.sampler, self.rank, self.world, self.seed = sampler, rank, world, seed
+        self.device, self.fixed_order, self.seq_len = device, fixed_order, seq_len
         self.tree: GradientTree | None = None
-        if not exact:  # plain sums: each rank's micro-batches, then one reduce-scatter
+        self.val, self.val_count = self._val_batches(val_tokens, eval_batches)
+        if not fixed_order:  # plain sums: each rank's micro-batches, then one reduce-scatter
             if self.plan.count % world:
                 raise ValueError(f"{self.plan.count} micro-batches do not split over {world} ranks")
             self.mine = list(range(rank, self.plan.count, world))
@@ -86,24 +93,23 @@ class FixedOrderSteps:
             # second)
             torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
-    def describe(self, seq_len: int) -> str:
+    def describe(self) -> str:
         """The run line's words for the micro-batches."""
-        how = "sums in a fixed order (--deterministic)" if self.exact else "one global sampler"
+        how = "sums in a fixed order (--deterministic)" if self.fixed_order else "plain sums"
         return (
-            f"{self.plan.count} micro-batches of {self.plan.micro_batch} x {seq_len} per step, "
-            f"{len(self.mine)} per rank, {how}"
+            f"{self.plan.count} micro-batches of {self.plan.micro_batch} x {self.seq_len} per "
+            f"step, {len(self.mine)} per rank, {how}"
         )
 
-    def step(self, model: nn.Module, step: int, batch: Batch, poison: bool) -> torch.Tensor:
-        """Forward and backward of this rank's micro-batches of ``batch`` (the step's global
-        batch), gradients summed in the fixed tree; returns the step's mean loss (float64, the
-        same on every rank)."""
-        x, y = batch
+    def run(self, model: nn.Module, step: int, poison: bool) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches of the step's global batch; the
+        step's mean loss (float64, the same on every rank)."""
+        x, y = self.sampler.next_batch()
         values = []
         for k, i in enumerate(self.mine):
             rows = self.plan.rows(i)
             seed_micro_batch(self.seed, step, i)
-            xb, yb = self._to_device(x[rows], self.device), self._to_device(y[rows], self.device)
+            xb, yb = to_device(x[rows], self.device), to_device(y[rows], self.device)
             if self.tree is None:  # plain sums: reduce once, after the last micro-batch
                 model.set_requires_gradient_sync(k == len(self.mine) - 1)  # type: ignore[operator]
             loss = lm_loss(model, xb, yb) / self.plan.count
@@ -117,10 +123,10 @@ class FixedOrderSteps:
             self.tree.finish()
         return sum_over_micro_batches(values)
 
-    def val_batches(self, val_tokens: Any, seq_len: int, count: int) -> tuple[list[Batch], int]:
+    def _val_batches(self, val_tokens: Any, count: int) -> tuple[list[Batch], int]:
         """This rank's validation micro-batches (padded to the same number on every rank) and
         how many there are in all: up to ``count`` consecutive ones of the validation stream."""
-        every = eval_batches(val_tokens, seq_len, self.plan.micro_batch, count)
+        every = eval_batches(val_tokens, self.seq_len, self.plan.micro_batch, count)
         if not every:
             return [], 0
         per_rank = -(-len(every) // self.world)
@@ -128,17 +134,19 @@ class FixedOrderSteps:
         return [every[i] if i < len(every) else every[0] for i in mine], len(every)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, batches: list[Batch], count: int) -> float | None:
-        """The mean validation loss over the ``count`` global micro-batches, in fixed order."""
-        if not count:
+    def evaluate(self, model: nn.Module) -> float | None:
+        """The mean validation loss over the global validation micro-batches, in fixed order."""
+        if not self.val_count:
             return None
         model.eval()
         values = [
-            lm_loss(model, self._to_device(x, self.device), self._to_device(y, self.device))
-            .detach()
-            .double()
-            for x, y in batches
+            lm_loss(model, to_device(x, self.device), to_device(y, self.device)).detach().double()
+            for x, y in self.val
         ]
         model.train()
-        total = sum_over_micro_batches(values, count=count)
-        return float(total) / count
+        total = sum_over_micro_batches(values, count=self.val_count)
+        return float(total) / self.val_count
+
+    def mean_loss(self, losses: list[float]) -> float:
+        """Each step's loss is the same global figure on every rank already."""
+        return sum(losses) / len(losses) if losses else float("nan")

@@ -1,11 +1,12 @@
-"""What a user sees of a run: per-rank memory, the metrics log, the loss plot, the run folder."""
+"""What a user sees of a run: per-rank memory, the metrics log and its lines, the progress bar,
+the loss plot, the run folder."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -16,8 +17,11 @@ __all__ = [
     "MetricsLog",
     "format_mem",
     "gather_memory",
+    "log_line",
     "make_run_dir",
     "plot_losses",
+    "progress_bar",
+    "record",
     "rss_bytes",
 ]
 
@@ -56,6 +60,54 @@ def make_run_dir(runs_dir: str, name: str | None) -> Path:
         path = base / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def progress_bar(total: int, initial: int, enabled: bool, file: TextIO | None = None) -> Any:
+    """The rank-0 progress bar, or ``None`` when ``enabled`` is false.
+
+    ``disable=None`` is tqdm's "only on a terminal": redirected to a log file (or under a
+    launcher that pipes it), a bar would write one line per update; the plain log lines of
+    :func:`log_line` say the same on each logged step instead.
+    """
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, initial=initial, unit="step", dynamic_ncols=True, disable=None, file=file
+    )
+
+
+def log_line(step: int, total: int, loss: float, tok_s: float, mem: str) -> str:
+    """One logged step as plain text (what the progress bar shows, for logs and pipes)."""
+    return f"step {step}/{total}: loss {loss:.4f} | {tok_s:,.0f} tok/s | mem {mem}"
+
+
+def record(
+    step: int,
+    loss: float,
+    lr: Any,  # what the scheduler holds: a float (a tensor for capturable optimizers)
+    grad_norm: float,
+    tok_s: float,
+    elapsed: float,
+    mem: dict[str, Any],
+    val_loss: float | None,
+) -> dict[str, Any]:
+    """One logged step's line of metrics.jsonl."""
+    line: dict[str, Any] = {
+        "step": step,
+        "loss": round(loss, 5),
+        "lr": lr,
+        "grad_norm": round(grad_norm, 5),
+        "tokens_per_s": round(tok_s, 1),
+        "elapsed_s": round(elapsed, 2),
+        "mem_mib": mem["rss_mib"],
+    }
+    if "cuda_peak_mib" in mem:
+        line["cuda_peak_mib"] = mem["cuda_peak_mib"]
+    if val_loss is not None:
+        line["val_loss"] = round(val_loss, 5)
+    return line
 
 
 class MetricsLog:

@@ -1,38 +1,30 @@
-"""The training loop of ``fullshard train``: one process per rank, started by torchrun.
+"""The training job of ``fullshard train`` on one rank: :class:`Trainer`, whose ``train()`` loop
+runs ``train_step()`` until the last step, a stop signal or ``--stop-after``.
 
 Order matters for "errors on every rank, never a hang": everything that can fail on bad input
 (config, data, model) happens before the first collective, computed identically on every rank.
 
-On a GPU the host must run ahead of the device: a training step reads device values on the host
-once (loss, gradient norm and the non-finite vote, in one ``.tolist()`` before the optimizer
-step, which needs the verdict). Logged steps read a little more (metrics, memory).
+A step's two choices (which micro-batches, who decides the optimizer step) are objects built
+once (``steps.py``, ``build.py``); the loop never asks which. On a GPU the host must run ahead
+of the device: the step's figures (loss, gradient norm, votes) stay there until its decider
+reads them, on CPU at once, on the CUDA path a step late (NOTE [The step's verdict on the
+device]). ``--elastic`` wraps this trainer (``elastic.py``: :class:`ElasticTrainer`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import math
 import os
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
-from torch import nn
 
-from fullshard import ShardedGradScaler
 from fullshard.app.config import TrainConfig, to_toml
-from fullshard.app.data.corpus import (
-    RankBatches,
-    build_tokenizer,
-    eval_batches,
-    load_tokens,
-    split_for_rank,
-)
+from fullshard.app.data.corpus import build_tokenizer, load_tokens
 from fullshard.app.dims import ParallelDims
-from fullshard.app.errors import ConfigError
 from fullshard.app.launch.local import DistInfo, rank_session
 from fullshard.app.launch.preempt import (
     PREEMPTED_EXIT,
@@ -41,527 +33,328 @@ from fullshard.app.launch.preempt import (
     signal_name,
     write_marker,
 )
-from fullshard.app.models.gpt import (
-    generate,
-    lm_loss,
-)
-from fullshard.app.train import elastic as elastic_run
-from fullshard.app.train.build import RankBuild, build_rank, lr_lambda, param_groups, to_device
-from fullshard.app.train.faults import NonFiniteError, agree_step, fault_from_env
+from fullshard.app.models.gpt import generate
+from fullshard.app.models.wrap import gradient_norm
+from fullshard.app.train.build import Built, RankData, build_rank, rank_data
+from fullshard.app.train.faults import agree_step, fault_from_env
 from fullshard.app.train.monitor import (
     MetricsLog,
     format_mem,
     gather_memory,
+    log_line,
     make_run_dir,
     plot_losses,
+    progress_bar,
+    record,
 )
 from fullshard.app.train.state import TrainCheckpoints
-from fullshard.app.train.verdict import (
-    DeviceSchedule,
-    StepBook,
-)
+from fullshard.app.train.verdict import StepBook
 from fullshard.comm import control
 from fullshard.testing import emulation
 
-__all__ = ["log_line", "lr_lambda", "param_groups", "progress_bar", "to_device", "train"]
+__all__ = ["Trainer", "device_checks", "read_text", "train"]
 
 
-def _save(ckpt: TrainCheckpoints, step: int, dsched: DeviceSchedule | None) -> None:
-    """Checkpoint after ``step``; a device schedule's state is read first (one host read)."""
-    if dsched is None:
-        ckpt.save(step)
-        return
-    with dsched.as_floats():
-        ckpt.save(step)
-
-
-def _accumulate(
-    model: nn.Module,
-    sampler: RankBatches,
-    grad_accum: int,
-    device: torch.device,
-    scaler: ShardedGradScaler | None,
-    poison: bool,
-) -> torch.Tensor:
-    """The default step's forward and backward: ``grad_accum`` micro-batches of this rank's
-    sampler, the gradients reduce-scattered only on the last (earlier ones accumulate into the
-    unsharded gradients locally). Returns the rank's mean loss, on the device: no
-    per-micro-batch ``float(loss)`` stalls the host."""
-    from fullshard.app.models.wrap import set_gradient_sync
-
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for k in range(grad_accum):
-        set_gradient_sync(model, k == grad_accum - 1)
-        x, y = sampler.next_batch()
-        loss = lm_loss(model, to_device(x, device), to_device(y, device)) / grad_accum
-        if poison:
-            loss = loss * float("nan")
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        loss_sum += loss.detach().double()
-    return loss_sum
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list, device: torch.device) -> float | None:
-    """Mean validation loss over every rank's batches (an all_reduce: call on all ranks)."""
-    if not batches:
-        return None
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for x, y in batches:
-        total[0] += lm_loss(model, to_device(x, device), to_device(y, device)).double()
-        total[1] += 1
-    model.train()
-    loss_sum, count = control.all_reduce_values(total, what="validation loss all-reduce").tolist()
-    return loss_sum / count
-
-
-def _global_mean(values: list[float]) -> float:
-    total = control.all_reduce_values([sum(values), len(values)], what="loss all-reduce")
-    loss_sum, count = total.tolist()
-    return float(loss_sum / count)
-
-
-def progress_bar(total: int, initial: int, enabled: bool, file: TextIO | None = None) -> Any:
-    """The rank-0 progress bar, or ``None`` when ``enabled`` is false.
-
-    ``disable=None`` is tqdm's "only on a terminal": redirected to a log file (or under a
-    launcher that pipes it), a bar would write one line per update; the plain log lines of
-    :func:`log_line` say the same on each logged step instead.
-    """
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total, initial=initial, unit="step", dynamic_ncols=True, disable=None, file=file
-    )
-
-
-def log_line(step: int, total: int, loss: float, tok_s: float, mem: str) -> str:
-    """One logged step as plain text (what the progress bar shows, for logs and pipes)."""
-    return f"step {step}/{total}: loss {loss:.4f} | {tok_s:,.0f} tok/s | mem {mem}"
-
-
-def _sharding_options(cfg: TrainConfig) -> str:
-    """The run line's words for --reshard-after-forward and --cpu-offload ('' when unset)."""
-    words = ""
-    if cfg.reshard_after_forward is not None:
-        words += f", --reshard-after-forward {cfg.reshard_after_forward} for the blocks"
-    return words + (", CPU offload" if cfg.cpu_offload else "")
-
-
-def train(cfg: TrainConfig, dims: ParallelDims | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, dims: ParallelDims) -> dict[str, Any]:
     """Run one training job on this rank; returns the run summary (on every rank).
 
-    ``cfg`` was validated (``fullshard.app.commands.validate.validate_train``, before launch); ``dims``:
-    the run's parallel dimensions (default: from torchrun's environment and ``cfg``).
+    ``cfg`` was validated (``fullshard.app.commands.validate.validate_train``, before launch);
+    ``dims``: the run's parallel dimensions. (``--elastic``: ``elastic.train_elastic``.)
     """
-    if dims is None:
-        dims = ParallelDims.from_env(
-            cfg.nproc, tp=cfg.tp, strategy=cfg.strategy, shard_size=cfg.shard_size
-        )
+    tokenizer, tokens = read_text(cfg)
+    with rank_session(cfg.device, cfg.timeout, cfg.backend) as info, device_checks():
+        trainer = Trainer(cfg, dims, info, rank_data(cfg, dims, tokenizer, tokens, info.rank))
+        return trainer.train()
+
+
+def read_text(cfg: TrainConfig) -> tuple[Any, Any]:
+    """The tokenizer and the corpus' tokens (a prepared folder is memory-mapped, not read),
+    before the process group is joined."""
     if cfg.deterministic:  # read when cuBLAS starts: before any CUDA work of this rank
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     tokenizer = build_tokenizer(cfg.tokenizer)
-    tokens = load_tokens(cfg.data, tokenizer)  # a prepared folder is memory-mapped, not read
-    session: Any
-    if cfg.elastic:  # its launcher's store and generations (fullshard.app.train.elastic)
-        session = elastic_run.elastic_session(cfg, dims)
-    else:
-        session = rank_session(cfg.device, cfg.timeout, cfg.backend)
-    with session as joined:
-        info, mgr = joined if cfg.elastic else (joined, None)
-        # FULLSHARD_CUDA_EMULATION=1: the whole run takes its CUDA path on CPU, checked
-        # (fullshard.testing.cuda_emulation), and summary.json counts host syncs per step
-        checked = emulation.enabled_from_env()
-        with emulation.cuda_emulation(all_device=True) if checked else contextlib.nullcontext():
-            return _train(cfg, dims, info, tokenizer, tokens, mgr)
+    return tokenizer, load_tokens(cfg.data, tokenizer)
 
 
-def _train(
-    cfg: TrainConfig,
-    dims: ParallelDims,
-    info: DistInfo,
-    tokenizer: Any,
-    tokens: Any,
-    mgr: Any = None,  # fullshard.elastic.Manager under --elastic
-) -> dict[str, Any]:
-    rank, world, device = info.rank, info.world_size, info.device
-    if mgr is not None:  # the membership this process joined sets the world
-        dims = elastic_run.dims_at(dims, world)
-    if device.type == "cpu":
-        torch.set_num_threads(cfg.threads)
-    micro = cfg.micro_batch(dims.dp)
-    # data parallel rank: the --tp consecutive ranks of one TP group read the same batches
-    dp_rank, dp = dims.dp_rank(rank), dims.dp
-    if cfg.global_sampler:  # (fullshard.app.train.fixed_order)
-        train_tokens, val_tokens = split_for_rank(tokens, 0, 1, cfg.val_fraction)
-        sampler = RankBatches(
-            train_tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=0,
-            world_independent=True,
-        )  # fmt: skip
-    else:
-        train_tokens, val_tokens = split_for_rank(tokens, dp_rank, dp, cfg.val_fraction)
-        sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
-        val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
+def device_checks() -> contextlib.AbstractContextManager[Any]:
+    """``FULLSHARD_CUDA_EMULATION=1``: the whole run takes its CUDA path on CPU, checked
+    (``fullshard.testing.cuda_emulation``), and summary.json counts host syncs per step."""
+    if not emulation.enabled_from_env():
+        return contextlib.nullcontext()
+    return emulation.cuda_emulation(all_device=True)
 
-    from fullshard.app.models.wrap import clip_gradients, gradient_norm
 
-    b = build_rank(cfg, dims, tokenizer, rank, world, device, val_tokens)
-    model, plan, fixed, opt, sched = b.model, b.plan, b.fixed, b.opt, b.sched
-    dsched, verdicts, scaler, n_params = b.dsched, b.verdicts, b.scaler, b.n_params
-    if fixed is not None:
-        val, val_count = b.val, b.val_count
+class Trainer:
+    """One rank's training job: what it trains with (:meth:`build`), where it starts from (a
+    checkpoint, or the beginning), and the loop (:meth:`train`) over :meth:`train_step`."""
 
-    run_dir: Path | None = None
-    log: MetricsLog | None = None
-    bar = None
-    skipped: list[int] = []
-    joiner = mgr is not None and mgr.membership.joined_now
-    if joiner:  # a replacement: the run's folder, and its state from its peers (in memory)
-        run_dir = Path(mgr.jobs.note(elastic_run.RUN_DIR))
-        folder = cfg.checkpoint_dir or str(run_dir / "checkpoints")
-        state, done = elastic_run.join_restore(mgr, model, opt, folder)
-        elastic_run.apply_loop_state(state, sched, sampler, skipped, dsched)
-        resume = None
-    else:
-        if mgr is not None:  # generation 0's processes, for summary.json
-            pids = control.all_gather_objects(os.getpid())
-        if rank == 0:
-            run_dir = make_run_dir(cfg.runs_dir, cfg.name)
-            if mgr is not None:
-                mgr.jobs.set_note(elastic_run.RUN_DIR, str(run_dir))
-                mgr.jobs.set_note("pids_at_start", json.dumps(pids))
-        # every rank needs the same checkpoint folder: rank 0 named the run folder
-        folder = control.broadcast_object(
-            cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")
+    def __init__(self, cfg: TrainConfig, dims: ParallelDims, info: DistInfo, data: RankData):
+        self.cfg, self.dims, self.data = cfg, dims, data
+        self.device, self.backend = info.device, info.backend
+        if self.device.type == "cpu":
+            torch.set_num_threads(cfg.threads)
+        self.fault = fault_from_env()
+        self.losses: list[float] = []
+        self.host_syncs: dict[str, int] = {}  # under the CUDA emulation: step -> host syncs
+        self.log: MetricsLog | None = None
+        self.bar: Any = None
+        self.stopped = False
+        self.val_loss: float | None = None
+        self.first_loss = self.last_loss = float("nan")
+        self.build(info.rank, info.world_size)
+        self.run_dir, self.folder = self.run_folder()
+        self.ckpt = TrainCheckpoints(
+            self.folder, self.state, keep=self.cfg.keep, async_save=self.cfg.async_save
         )
-    ckpt = TrainCheckpoints(
-        folder, model, opt, sched, sampler, keep=cfg.keep, async_save=cfg.async_save
-    )
-    if not joiner:
+        self.done = self.start()  # the step this run starts after
+        self.book = StepBook(cfg, self.rank, self.scaler is None, self.log, self.losses,
+                             self.state.skipped)  # fmt: skip
+
+    # -- what a rank trains with, and where it starts -----------------------------------------
+    def build(self, rank: int, world: int) -> None:
+        """The model, optimizer and schedule (the train state) and the step's choices, for
+        ``rank`` among ``world`` ranks."""
+        self.rank, self.world = rank, world
+        built: Built = build_rank(self.cfg, self.dims, self.data, rank, world, self.device)
+        self.state, self.batches, self.decider = built.state, built.batches, built.decider
+        self.scaler, self.plan, self.n_params = built.scaler, built.plan, built.n_params
+
+    def run_folder(self) -> tuple[Path | None, str]:
+        """Rank 0's run folder (named by rank 0) and the checkpoint folder every rank uses."""
+        run_dir = make_run_dir(self.cfg.runs_dir, self.cfg.name) if self.rank == 0 else None
+        folder = self.cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")
+        return run_dir, control.broadcast_object(folder)
+
+    def start(self) -> int:
+        """Resume (``--resume``, or torchrun's restart from the latest checkpoint) and open
+        the run's log on rank 0; the step to go on after."""
+        cfg = self.cfg
         resume = cfg.resume
         if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             # restarted by torchrun after a failure: continue from the last complete checkpoint
-            resume = "latest" if ckpt.resolve("latest") is not None else None
-        done = ckpt.resume(resume) if resume is not None else 0
-    if rank == 0 and not joiner:  # after a resume that worked: a failed one leaves the config
-        assert run_dir is not None
-        (run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
-    if dsched is not None:
-        dsched.reload()  # the loaded optimizer holds float learning rates again
-    fault = fault_from_env()
-    if rank == 0 and joiner:
-        assert run_dir is not None
-        log = MetricsLog(run_dir / "metrics.jsonl", append=True)
-    elif rank == 0:
-        assert run_dir is not None
-        log = MetricsLog(run_dir / "metrics.jsonl", append=done > 0)
-        if done:
-            print(f"resumed from step {done} ({ckpt.resolve(resume or '')})", flush=True)
+            resume = "latest" if self.ckpt.resolve("latest") is not None else None
+        done = self.ckpt.resume(resume) if resume is not None else 0
+        if self.run_dir is not None:  # after a resume that worked: a failed one leaves config
+            (self.run_dir / "config.toml").write_text(to_toml(cfg), encoding="utf-8")
+            self.log = MetricsLog(self.run_dir / "metrics.jsonl", append=done > 0)
+            if done:
+                print(f"resumed from step {done} ({self.ckpt.resolve(resume or '')})", flush=True)
+            self.announce()
+            self.bar = progress_bar(cfg.max_steps, done, cfg.progress)
+        return done
+
+    def announce(self) -> None:
+        """Rank 0's run line: model, ranks, sharding, data, batches, run folder."""
+        cfg = self.cfg
+        tp = f", tensor parallel over {cfg.tp} ranks" if cfg.tp > 1 else ""
+        raf = cfg.reshard_after_forward
+        options = "" if raf is None else f", --reshard-after-forward {raf} for the blocks"
+        options += ", CPU offload" if cfg.cpu_offload else ""
         print(
-            f"fullshard train: {cfg.model} ({n_params / 1e6:.2f}M params), {world} ranks "
-            f"({info.backend}), {plan.summary()}"
-            + (f", tensor parallel over {cfg.tp} ranks" if cfg.tp > 1 else "")
-            + _sharding_options(cfg)
-            + f", {len(tokens):,} tokens "
-            + (
-                f"({len(train_tokens):,} train per rank), micro-batch {micro} x {cfg.seq_len}, "
-                f"grad-accum {cfg.grad_accum}"
-                if fixed is None
-                else f"({len(train_tokens):,} train, one global sampler), "
-                + fixed.describe(cfg.seq_len)
-            )
-            + f" -> run folder {run_dir}",
+            f"fullshard train: {cfg.model} ({self.n_params / 1e6:.2f}M params), {self.world} "
+            f"ranks ({self.backend}), {self.plan.summary()}{tp}{options}, "
+            f"{self.data.tokens:,} tokens ({self.data.words}), {self.batches.describe()} -> run "
+            f"folder {self.run_dir}",
             flush=True,
         )
-        bar = progress_bar(cfg.max_steps, done, cfg.progress)
 
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    losses: list[float] = []
-    start = last_t = time.perf_counter()
-    last_step, first_loss, last_loss, val_loss = done, float("nan"), float("nan"), None
-    stopped = preempted = False
-    book = StepBook(cfg, rank, scaler is None, log, losses, skipped)
-    if rank == 0:
-        clear_marker()  # this attempt trains on: an earlier attempt's preemption is over
-    # NOTE [Preemption]: from here on a stop signal only sets a flag, which the step votes on
-    host_syncs: dict[str, int] = {}  # under the CUDA emulation: step -> host syncs counted
-    step = done + 1
-    with StopSignals() as signals:
-        while step <= cfg.max_steps:
-            try:
-                if mgr is not None:  # the step boundary: ring copies (fullshard.elastic)
-                    state = elastic_run.loop_state(sched, sampler, skipped, dsched)
-                    mgr.snapshot(step - 1, model, opt, state)
-                if emulation.is_active():
-                    if step > done + 1:
-                        host_syncs[str(step - 1)] = sum(emulation.sync_counts().values())
-                    emulation.reset_sync_counts()
-                joining = None if mgr is None else mgr.join_waiting_or_whole
-                poison = fault.at_step(step, rank, joining) if fault is not None else False
-                # The step's figures (loss, gradient norm, votes) stay on the device until the
-                # step's one read below: no per-micro-batch float(loss) stalls the host.
-                if fixed is not None:  # every micro-batch reduces, in the fixed tree
-                    loss_sum = fixed.step(model, step, sampler.next_batch(), poison)
-                else:
-                    loss_sum = _accumulate(model, sampler, cfg.grad_accum, device, scaler, poison)
-                if scaler is not None:
-                    scaler.unscale_(opt)
-                norm = gradient_norm(model.parameters(), fixed_order=fixed is not None)
-                figures = torch.stack(
-                    [loss_sum, norm.detach().to(device, torch.float64).reshape(())]
-                )
-                # Every precision votes: with fp16 the scaler's own vote decides skipping (it skips
-                # and rescales), but the ranks must still agree on when to stop.
-                votes = agree_step(loss_sum, norm, signals.flag(device)).to(device)
-                row = torch.cat([figures, votes])
-                is_eval = step == cfg.max_steps or (
-                    cfg.eval_every > 0 and step % cfg.eval_every == 0
-                )
-                # NOTE [The step's verdict on the device]: which steps read their own row at once
-                urgent = (
-                    step == 1
-                    or step % cfg.log_every == 0
-                    or is_eval
-                    or (cfg.save_every > 0 and step % cfg.save_every == 0)
-                    or (cfg.stop_after > 0 and step - done >= cfg.stop_after)
-                    or cfg.on_nonfinite == "stop"
-                )
-                lr = sched.get_last_lr()[0] if dsched is None else dsched.lrs[0].clone()
-                if dsched is not None:  # the device decides: skipped there, schedule included
-                    clip_gradients(model.parameters(), cfg.clip, norm)
-                    if scaler is not None:
-                        scaler.step(opt)
-                        scaler.update()
-                    else:
-                        opt.found_inf = votes[0].float()  # type: ignore[attr-defined]
-                        opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    dsched.step(1.0 - votes[0] if scaler is None else torch.ones_like(votes[0]))
-                bad = book.act(verdicts.push(step, row, now=urgent))
-                # this step's own verdict is known now on CPU, and on urgent steps on the device
-                bad = bad and (urgent or verdicts.lag == 0)
-                preempted = book.preempted
-                if dsched is None:  # the host decides, with the norm it has read
-                    if scaler is not None or not bad:
-                        clip_gradients(model.parameters(), cfg.clip, book.grad_norm)
-                    if scaler is not None:
-                        scaler.step(opt)
-                        scaler.update()
-                    elif not bad:
-                        opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    if not bad:  # a skipped step leaves the schedule where it was, too
-                        sched.step()
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        """Step until the last step, a stop signal or ``--stop-after``; then the final
+        checkpoint, the sample and the summary (returned on every rank)."""
+        cfg = self.cfg
+        if self.rank == 0:
+            clear_marker()  # this attempt trains on: an earlier attempt's preemption is over
+        self.start_t = self.last_t = time.perf_counter()
+        self.last_step = self.done
+        # NOTE [Preemption]: from here on a stop signal only sets a flag, which the step votes on
+        with StopSignals() as self.signals:
+            step = self.done + 1
+            while step <= cfg.max_steps and not self.stopped:
+                step = self.step_or_recover(step)
+            wall = time.perf_counter() - self.start_t
+            if self.bar is not None:
+                self.bar.close()
+            if not self.stopped and self.ckpt.last_saved != cfg.max_steps:
+                self.ckpt.save(cfg.max_steps)  # the finished run's weights: resume or export
+            self.ckpt.wait()
+        sample = self.sample() if cfg.sample_tokens > 0 and not self.stopped else ""
+        summary = self.summary(wall)
+        self.write_outputs(summary, sample, wall)
+        return summary
 
-                if cfg.save_every > 0 and step % cfg.save_every == 0:
-                    _save(ckpt, step, dsched)
-                stopped = preempted or (
-                    cfg.stop_after > 0 and step - done >= cfg.stop_after and step < cfg.max_steps
-                )
-                if bad or not (step == 1 or step % cfg.log_every == 0 or is_eval or stopped):
-                    if bar is not None:
-                        bar.update(1)
-                else:
-                    # Logged step: a few tiny collectives, on every rank.
-                    book.act(verdicts.flush())  # a stop found a step late: this step's row too
-                    lr, grad_norm = float(lr), book.grad_norm
-                    # fixed order: each step's loss is the same global figure on every rank already
-                    mean_loss = (
-                        _global_mean(losses)
-                        if fixed is None
-                        else sum(losses) / len(losses)
-                        if losses
-                        else float("nan")
-                    )
-                    losses.clear()
-                    mem = gather_memory(device)
-                    val_loss = None
-                    if is_eval:
-                        val_loss = (
-                            evaluate(model, val, device)
-                            if fixed is None
-                            else fixed.evaluate(model, val, val_count)
-                        )
-                    now = time.perf_counter()
-                    tok_s = tokens_per_step * (step - last_step) / (now - last_t)
-                    last_step, last_t = step, now
-                    first_loss = mean_loss if math.isnan(first_loss) else first_loss
-                    last_loss = mean_loss
-                    if log is not None:
-                        log.write(
-                            _record(
-                                step, mean_loss, lr, grad_norm, tok_s, now - start, mem, val_loss
-                            )
-                        )
-                    if bar is not None and not bar.disable:
-                        bar.set_postfix_str(
-                            f"loss {mean_loss:.3f} | {tok_s:,.0f} tok/s | mem {format_mem(mem)}"
-                        )
-                        bar.update(1)
-                        if val_loss is not None:
-                            bar.write(f"step {step}: val_loss {val_loss:.4f}")
-                    elif rank == 0:  # no bar on screen: a plain line per logged step
-                        line = log_line(step, cfg.max_steps, mean_loss, tok_s, format_mem(mem))
-                        print(
-                            line + ("" if val_loss is None else f" | val_loss {val_loss:.4f}"),
-                            flush=True,
-                        )
-                if stopped:  # --stop-after, or a stop signal: checkpoint, then leave
-                    if preempted and fault is not None:
-                        fault.at_preemption_save(rank)
-                    if ckpt.last_saved != step:
-                        _save(ckpt, step, dsched)
-                    ckpt.wait()  # committed (an async save too) before any rank leaves
-                    if rank == 0 and preempted:
-                        _report_preemption(step, ckpt.resolve("latest"), signal_name(book.stop))
-                    elif rank == 0:
-                        print(
-                            f"stopped after step {step} (--stop-after); resume with --resume latest"
-                        )
-                    break
-            except Exception as exc:
-                if mgr is None or isinstance(exc, (ConfigError, NonFiniteError)):
-                    raise  # not a lost rank: bad input, or --on-nonfinite stop
+    def step_or_recover(self, step: int) -> int:
+        """Take step ``step``; the next step to take (:class:`ElasticTrainer` recovers a lost
+        rank here and goes on from the boundary it restored)."""
+        self.take_step(step)
+        return step + 1
 
-                def rebuild(m: Any) -> tuple[nn.Module, torch.optim.Optimizer, RankBuild]:
-                    new_dims = elastic_run.dims_at(dims, m.world)
-                    built = build_rank(
-                        cfg, new_dims, tokenizer, m.rank, m.world, device, val_tokens
-                    )
-                    return built.model, built.opt, built
+    def take_step(self, step: int) -> None:
+        """One step and what follows it: a checkpoint, a logged line, a stop."""
+        cfg = self.cfg
+        self.before_step(step)
+        poison = self.fault is not None and self.fault.at_step(step, self.rank, self.joining())
+        is_eval = step == cfg.max_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+        logged = step == 1 or step % cfg.log_every == 0 or is_eval
+        save = cfg.save_every > 0 and step % cfg.save_every == 0
+        stop_after = cfg.stop_after > 0 and step - self.done >= cfg.stop_after
+        # NOTE [The step's verdict on the device]: which steps read their own verdict at once
+        urgent = logged or save or stop_after or cfg.on_nonfinite == "stop"
+        lr = self.decider.lr()
+        bad = self.train_step(step, poison, urgent)
+        self.state.step = step
+        if save:
+            self.ckpt.save(step)
+        self.stopped = self.book.preempted or (stop_after and step < cfg.max_steps)
+        if not bad and (logged or self.stopped):
+            self.log_step(step, lr, is_eval)
+        elif self.bar is not None:
+            self.bar.update(1)
+        if self.stopped:
+            self.stop(step)
 
-                newest = functools.partial(ckpt.resolve, "latest")
-                m, b, state, done_b = elastic_run.recover(mgr, exc, rebuild, newest)
-                rank, world = m.rank, m.world
-                model, plan, fixed, opt, sched = b.model, b.plan, b.fixed, b.opt, b.sched
-                dsched, verdicts, scaler = b.dsched, b.verdicts, b.scaler
-                val, val_count = b.val, b.val_count
-                elastic_run.apply_loop_state(state, sched, sampler, skipped, dsched)
-                ckpt = TrainCheckpoints(
-                    folder, model, opt, sched, sampler, keep=cfg.keep, async_save=cfg.async_save
-                )
-                if rank == 0 and log is None:  # rank 0 was lost: the log moves here
-                    run_dir = Path(mgr.jobs.note(elastic_run.RUN_DIR))
-                    log = MetricsLog(run_dir / "metrics.jsonl", append=True)
-                elif rank != 0 and log is not None:  # no longer rank 0 (left out, back later)
-                    log.close()
-                    log = None
-                losses.clear()  # the steps since the boundary are redone (and logged again)
-                book = StepBook(cfg, rank, scaler is None, log, losses, skipped)
-                step = done_b + 1
-                last_step, last_t = done_b, time.perf_counter()
-                if rank == 0:
-                    print(f"elastic: {mgr.changes[-1]}", flush=True)
-                continue
-            step += 1
-        step = min(step, cfg.max_steps)
-        wall = time.perf_counter() - start
-        if bar is not None:
-            bar.close()
-        if not stopped and ckpt.last_saved != cfg.max_steps:
-            # the finished run's weights: resume, convert or export them
-            _save(ckpt, cfg.max_steps, dsched)
-        ckpt.wait()
+    def train_step(self, step: int, poison: bool, urgent: bool) -> bool:
+        """Forward and backward of the step's micro-batches, the gradient norm, the ranks'
+        votes, and the optimizer step as the decider decides it; whether the step is known now
+        to have been skipped. ``poison``: the loss becomes NaN (a fault drill)."""
+        model, device = self.state.model, self.device
+        loss = self.batches.run(model, step, poison)  # on the device, read by the decider
+        if self.scaler is not None:
+            self.scaler.unscale_(self.state.optimizer)
+        norm = gradient_norm(model.parameters(), fixed_order=self.batches.fixed_order)
+        # Every precision votes: with fp16 the scaler's own vote decides skipping (it skips and
+        # rescales), but the ranks must still agree on when to stop.
+        votes = agree_step(loss, norm, self.signals.flag(device)).to(device)
+        figures = torch.stack([loss, norm.detach().to(device, torch.float64).reshape(())])
+        return self.decider.step(torch.cat([figures, votes]), norm, votes, step, urgent, self.book)
 
-    sample = ""
-    if cfg.sample_tokens > 0 and not stopped:
-        # Same generator seed on every rank: identical samples, identical forward shapes.
+    # -- hooks of the loop (ElasticTrainer adds the step boundary's copies) -------------------
+    def before_step(self, step: int) -> None:
+        """The step boundary: under the CUDA emulation, the previous step's host syncs."""
+        if emulation.is_active():
+            if step > self.done + 1:
+                self.host_syncs[str(step - 1)] = sum(emulation.sync_counts().values())
+            emulation.reset_sync_counts()
+
+    def joining(self) -> Any:
+        """For the ``hold`` fault: whether a process waits to join (none without --elastic)."""
+        return None
+
+    # -- what a step leaves behind -----------------------------------------------------------
+    def log_step(self, step: int, lr: Any, is_eval: bool) -> None:
+        """A logged step: a few tiny collectives, on every rank."""
+        cfg, book = self.cfg, self.book
+        book.act(self.decider.verdicts.flush())  # a stop found a step late: this step's too
+        mean_loss = self.batches.mean_loss(self.losses)
+        self.losses.clear()
+        mem = gather_memory(self.device)
+        self.val_loss = self.batches.evaluate(self.state.model) if is_eval else None
+        now = time.perf_counter()
+        tok_s = cfg.batch_size * cfg.seq_len * (step - self.last_step) / (now - self.last_t)
+        self.last_step, self.last_t = step, now
+        self.first_loss = mean_loss if math.isnan(self.first_loss) else self.first_loss
+        self.last_loss = mean_loss
+        val = "" if self.val_loss is None else f" | val_loss {self.val_loss:.4f}"
+        if self.log is not None:
+            line = record(step, mean_loss, float(lr), book.grad_norm, tok_s, now - self.start_t,
+                          mem, self.val_loss)  # fmt: skip
+            self.log.write(line)
+        if self.bar is not None and not self.bar.disable:
+            self.bar.set_postfix_str(
+                f"loss {mean_loss:.3f} | {tok_s:,.0f} tok/s | mem {format_mem(mem)}"
+            )
+            self.bar.update(1)
+            if val:
+                self.bar.write(f"step {step}: {val[3:]}")
+        elif self.rank == 0:  # no bar on screen: a plain line per logged step
+            line_text = log_line(step, cfg.max_steps, mean_loss, tok_s, format_mem(mem))
+            print(line_text + val, flush=True)
+
+    def stop(self, step: int) -> None:
+        """``--stop-after``, or a stop signal: checkpoint (committed on every rank), then leave."""
+        book = self.book
+        if book.preempted and self.fault is not None:
+            self.fault.at_preemption_save(self.rank)
+        if self.ckpt.last_saved != step:
+            self.ckpt.save(step)
+        self.ckpt.wait()  # committed (an async save too) before any rank leaves
+        if self.rank == 0 and book.preempted:
+            latest, name = self.ckpt.resolve("latest"), signal_name(book.stop)
+            print(
+                f"preempted after step {step} ({name}): checkpoint {latest} is complete; "
+                f"exiting with status {PREEMPTED_EXIT}. Resume: the same command with "
+                "--resume latest",
+                flush=True,
+            )
+            write_marker(step, latest, name)
+        elif self.rank == 0:
+            print(f"stopped after step {step} (--stop-after); resume with --resume latest")
+
+    def sample(self) -> str:
+        """A sample of the trained model, the same on every rank (the same seeded generator
+        and shapes: every forward gathers). Its context stays inside the positions trained
+        (``--seq-len``): the model was never trained to read further back."""
+        cfg = self.cfg
         gen = torch.Generator().manual_seed(cfg.seed)
-        prompt = torch.tensor(tokenizer.encode(cfg.prompt) or [0], dtype=torch.long, device=device)
-        out = generate(
-            model, prompt, cfg.sample_tokens, cfg.temperature, cfg.top_k or None, generator=gen
-        )
-        sample = tokenizer.decode(out.tolist())
+        ids = self.data.tokenizer.encode(cfg.prompt) or [0]
+        prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
+        out = generate(self.state.model, prompt, cfg.sample_tokens, cfg.temperature,
+                       cfg.top_k or None, generator=gen, context=cfg.seq_len)  # fmt: skip
+        return str(self.data.tokenizer.decode(out.tolist()))
 
-    summary = {
-        "model": cfg.model,
-        "params": n_params,
-        "world_size": world,
-        "strategy": cfg.strategy,
-        "deterministic": cfg.deterministic,
-        "steps": cfg.max_steps,
-        "stopped_after": step if stopped and not preempted else None,
-        "preempted_after": step if preempted else None,
-        "resumed_from": None if joiner else done or None,  # a checkpoint read from disk
-        "skipped_nonfinite": skipped,
-        "start_loss": first_loss,
-        "end_loss": last_loss,
-        "final_val_loss": val_loss,
-        "train_wall_s": round(wall, 2),
-        "tokens_per_s": round(tokens_per_step * (step - done) / wall, 1),
-        "data_state": sampler.state_dict(),
-        # torchrun's restarts of every rank (--max-restarts); --elastic's survivors keep running
-        "process_restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-    }
-    if mgr is not None:  # one entry per membership change, and who is in the last one
-        summary["membership"] = mgr.changes
-        summary["pids_at_start"] = json.loads(mgr.jobs.note("pids_at_start") or "[]")
-        summary["pids"] = control.all_gather_objects(os.getpid())
-        summary["elastic_copy_s"] = round(mgr.snapshot_s, 3)
-        summary["elastic_copy_bytes"] = mgr.copy_bytes  # own + neighbour's, one boundary
-    if emulation.is_active():
-        host_syncs[str(step)] = sum(emulation.sync_counts().values())  # with the final save
-        summary["host_syncs_per_step"] = host_syncs
-        # bytes torch filled in new tensors (deterministic mode's fill; NOTE [Kernel contracts])
-        summary["filled_bytes"] = sum(emulation.fill_counts().values())
-    if rank == 0 and run_dir is not None and log is not None:
-        log.close()
-        (run_dir / "summary.json").write_text(
-            json.dumps(summary, indent=2) + "\n", encoding="utf-8"
-        )
-        if preempted:  # the one line is out; no plot, no sample: the run is not finished
-            return summary
-        plot_losses(
-            log.records, run_dir / "loss.png", f"{cfg.model} on {world} ranks ({cfg.strategy})"
-        )
-        (run_dir / "sample.txt").write_text(sample, encoding="utf-8")
+    def summary(self, wall: float) -> dict[str, Any]:
+        cfg, step = self.cfg, self.state.step
+        preempted = self.book.preempted
+        summary = {
+            "model": cfg.model,
+            "params": self.n_params,
+            "world_size": self.world,
+            "strategy": cfg.strategy,
+            "deterministic": cfg.deterministic,
+            "steps": cfg.max_steps,
+            "stopped_after": step if self.stopped and not preempted else None,
+            "preempted_after": step if preempted else None,
+            "resumed_from": self.done or None,  # a checkpoint read from disk
+            "skipped_nonfinite": self.state.skipped,
+            "start_loss": self.first_loss,
+            "end_loss": self.last_loss,
+            "final_val_loss": self.val_loss,
+            "train_wall_s": round(wall, 2),
+            "tokens_per_s": round(cfg.batch_size * cfg.seq_len * (step - self.done) / wall, 1),
+            "data_state": self.state.sampler.state_dict(),
+            # torchrun's restarts of every rank (--max-restarts); --elastic's survivors go on
+            "process_restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        }
+        if emulation.is_active():
+            self.host_syncs[str(step)] = sum(emulation.sync_counts().values())  # + final save
+            summary["host_syncs_per_step"] = self.host_syncs
+            # bytes torch filled in new tensors (deterministic mode; NOTE [Kernel contracts])
+            summary["filled_bytes"] = sum(emulation.fill_counts().values())
+        return summary
+
+    def write_outputs(self, summary: dict[str, Any], sample: str, wall: float) -> None:
+        """Rank 0: summary.json, and for a finished run the loss plot, the sample and the
+        closing lines."""
+        import json
+
+        if self.rank != 0 or self.run_dir is None or self.log is None:
+            return
+        self.log.close()
+        text = json.dumps(summary, indent=2) + "\n"
+        (self.run_dir / "summary.json").write_text(text, encoding="utf-8")
+        if summary["preempted_after"] is not None:  # the one line is out: the run goes on later
+            return
+        cfg = self.cfg
+        title = f"{cfg.model} on {self.world} ranks ({cfg.strategy})"
+        plot_losses(self.log.records, self.run_dir / "loss.png", title)
+        (self.run_dir / "sample.txt").write_text(sample, encoding="utf-8")
+        val = self.val_loss if self.val_loss is None else round(self.val_loss, 4)
         print(
-            f"done: steps {done + 1}-{step} in {wall:.1f}s, loss {first_loss:.3f} -> {last_loss:.3f}, "
-            f"val {val_loss if val_loss is None else round(val_loss, 4)}, "
+            f"done: steps {self.done + 1}-{self.state.step} in {wall:.1f}s, loss "
+            f"{self.first_loss:.3f} -> {self.last_loss:.3f}, val {val}, "
             f"{summary['tokens_per_s']:,.0f} tokens/s",
             flush=True,
         )
         if sample:
             print(f"--- sample ---\n{sample}\n--------------", flush=True)
-        print(f"run folder: {run_dir}", flush=True)
-    return summary
-
-
-def _record(
-    step: int,
-    loss: float,
-    lr: Any,  # what the scheduler holds: a float (a tensor for capturable optimizers)
-    grad_norm: float,
-    tok_s: float,
-    elapsed: float,
-    mem: dict[str, Any],
-    val_loss: float | None,
-) -> dict[str, Any]:
-    """One logged step's line of metrics.jsonl."""
-    record: dict[str, Any] = {
-        "step": step,
-        "loss": round(loss, 5),
-        "lr": lr,
-        "grad_norm": round(grad_norm, 5),
-        "tokens_per_s": round(tok_s, 1),
-        "elapsed_s": round(elapsed, 2),
-        "mem_mib": mem["rss_mib"],
-    }
-    if "cuda_peak_mib" in mem:
-        record["cuda_peak_mib"] = mem["cuda_peak_mib"]
-    if val_loss is not None:
-        record["val_loss"] = round(val_loss, 5)
-    return record
-
-
-def _report_preemption(step: int, checkpoint: str | None, signal: str) -> None:
-    """Rank 0's one line about a preemption, and the marker its launcher reads."""
-    print(
-        f"preempted after step {step} ({signal}): checkpoint {checkpoint} is complete; exiting with "
-        f"status {PREEMPTED_EXIT}. Resume: the same command with --resume latest",
-        flush=True,
-    )
-    write_marker(step, checkpoint, signal)
+        print(f"run folder: {self.run_dir}", flush=True)

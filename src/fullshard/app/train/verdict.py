@@ -34,7 +34,6 @@ it read (two synchronisations per step).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +47,6 @@ __all__ = [
     "StepBook",
     "StepVerdicts",
     "Verdict",
-    "cosine_multiplier",
     "fused_adamw_available",
 ]
 
@@ -165,17 +163,26 @@ def fused_adamw_available(device: torch.device) -> bool:
 class DeviceSchedule:
     """A ``LambdaLR``'s schedule driven on the device: each group's learning rate is a device
     tensor, set every step from the device count of applied steps (a skipped step does not
-    count). ``sched`` stays the state that checkpoints save (``sync`` writes the count there)."""
+    count). ``sched`` stays the state that checkpoints save (``as_floats`` writes the count
+    there).
+
+    The schedule's own function gives the multipliers, once, for steps ``0 .. total`` (a table
+    on the device, indexed by the count; later steps keep the last value, as the function
+    does): one formula, so the device's learning rates are the host's, rounded to float32."""
 
     def __init__(
         self,
         opt: torch.optim.Optimizer,
         sched: torch.optim.lr_scheduler.LambdaLR,
-        multiplier: Callable[[torch.Tensor], torch.Tensor],
+        multiplier: Callable[[int], float],
+        total: int,
         device: torch.device,
     ) -> None:
-        self.opt, self.sched, self.multiplier = opt, sched, multiplier
+        self.opt, self.sched = opt, sched
         self.base = [float(b) for b in sched.base_lrs]
+        self.table = torch.tensor(
+            [multiplier(s) for s in range(total + 1)], dtype=torch.float64, device=device
+        )
         # the count of applied steps stays float64 (exact to 2**53); the learning rates are
         # float32, because CUDA's fused AdamW reads a tensor lr through a float pointer
         # (NOTE [Kernel contracts] in fullshard.testing: a float64 one stops the first step)
@@ -186,13 +193,18 @@ class DeviceSchedule:
             group["lr"] = lr
             self.lrs.append(lr)
 
+    def _set(self) -> None:
+        """The learning rates at the current count (an index on the device: no host read)."""
+        at = self.applied.clamp(max=len(self.table) - 1).long().reshape(1)
+        m = self.table.gather(0, at).reshape(())
+        for lr, base in zip(self.lrs, self.base, strict=True):
+            lr.copy_(m * base)
+
     def step(self, ok: torch.Tensor) -> None:
         """After an optimizer step: count it when ``ok`` (1.0; 0.0 for a skipped step) and set
         the next step's learning rates; no host read."""
         self.applied += ok
-        m = self.multiplier(self.applied)
-        for lr, base in zip(self.lrs, self.base, strict=True):
-            lr.copy_(m * base)
+        self._set()
 
     @contextlib.contextmanager
     def as_floats(self) -> Iterator[None]:
@@ -212,29 +224,9 @@ class DeviceSchedule:
         """After ``sched`` and the optimizer were loaded from a checkpoint: continue from its
         count, with device learning rates."""
         self.applied.fill_(float(self.sched.last_epoch))
-        m = self.multiplier(self.applied)
-        for lr, base in zip(self.lrs, self.base, strict=True):
-            lr.copy_(m * base)
+        self._set()
         self._install()
 
     def _install(self) -> None:
         for group, lr in zip(self.opt.param_groups, self.lrs, strict=True):
             group["lr"] = lr
-
-    def last_lr(self) -> float:
-        return float(self.lrs[0])
-
-
-def cosine_multiplier(
-    warmup: int, total: int, min_ratio: float
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``trainer.lr_lambda`` in tensor ops: linear warmup, then cosine to ``min_ratio``."""
-
-    def multiplier(step: torch.Tensor) -> torch.Tensor:
-        progress = ((step - warmup) / max(1, total - warmup)).clamp(0.0, 1.0)
-        cosine = min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + torch.cos(math.pi * progress))
-        if warmup <= 0:
-            return cosine
-        return torch.where(step < warmup, (step + 1) / warmup, cosine)
-
-    return multiplier
