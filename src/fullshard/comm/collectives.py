@@ -26,19 +26,20 @@ from typing import Any, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from fullshard.comm import desync
 from fullshard.comm.desync import (
     DesyncError,
+    Interrupt,
     Interrupted,
     Position,
     debug_enabled,
     explain_failure,
     fingerprint_check,
+    interrupt_for,
     timed_wait,
 )
 from fullshard.comm.device import check_tensor
+from fullshard.comm.runtime import runtime
 from fullshard.policies import Phase
-from fullshard.testing import emulation
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.4 has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -117,7 +118,7 @@ class CommStats:
 def _host_wait(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
     """NOTE [Waiting without blocking the host]: only NCCL on CUDA tensors orders by stream
     (and, under the CUDA emulation, every collective: NOTE [The CUDA path on CPU])."""
-    if emulation.is_active():
+    if runtime().checked:
         return False
     # torch's fake group on CUDA takes NCCL's path too (scripts/gpu_check.py runs it at world 8)
     backend = str(dist.get_backend(group))
@@ -137,8 +138,10 @@ class Pending:
         position: Position | None = None,
         group: dist.ProcessGroup | None = None,
         host_wait: bool = True,
+        interrupt: Interrupt | None = None,
     ) -> None:
         self._work = work
+        self._interrupt = interrupt
         self.what = what
         self._timeout = timeout
         self._stats = stats
@@ -173,7 +176,7 @@ class Pending:
             self._stats.poll()
         t0 = time.perf_counter()
         try:
-            ok = timed_wait(work, self._timeout)
+            ok = timed_wait(work, self._timeout, self._interrupt)
         except Interrupted:
             raise  # the membership changed: fullshard.elastic recovers, no verdict to give
         except RuntimeError as exc:  # gloo raises on timeout or on a peer that went away
@@ -209,10 +212,13 @@ def _issue(
     position: Position | None,
     reads: list[torch.Tensor] | None = None,
     writes: list[torch.Tensor] | None = None,
+    interrupt: Interrupt | None = None,
 ) -> Pending:
     """Issue ``work_fn()``'s collective, which reads ``reads`` and writes ``writes`` (default:
     ``tensor``, in place); under the CUDA emulation it is modelled as NCCL's, on the current
-    stream (``emulated_collective``)."""
+    stream. ``interrupt``: its waits' way out (NOTE [Interrupts]; default: the group's)."""
+    if interrupt is None:
+        interrupt = interrupt_for(group)
     check_tensor(tensor, group, what)  # NOTE [Device discipline]
     if stats is not None:
         stats.record(kind, unit, nbytes)
@@ -232,17 +238,17 @@ def _issue(
             )
         except RuntimeError:  # gloo: "Work::getFuture not implemented" for these collectives
             stats.open_comm.append((work, kind, unit, t0, nbytes))
-    if emulation.is_active():
+    rt = runtime()
+    if rt.checked:  # the CUDA emulation models the collective as NCCL's
         ins, outs = (
             reads if reads is not None else [tensor],
             writes if writes is not None else [tensor],
         )
         # under live recovery a wait gives up when the membership changes (EmulatedWork.wait)
-        abandon = desync.give_up_if_interrupted if desync.interrupt is not None else None
-        work = emulation.emulated_collective(  # type: ignore[assignment]
-            outs, ins, name=what, work=work, abandon=abandon
-        )
-    return Pending(work, what, timeout, stats, unit, position, group, _host_wait(tensor, group))
+        abandon = None if interrupt is None else interrupt.check
+        work = rt.collective(outs, ins, name=what, work=work, abandon=abandon)
+    host_wait = _host_wait(tensor, group)
+    return Pending(work, what, timeout, stats, unit, position, group, host_wait, interrupt)
 
 
 def all_gather(
@@ -255,6 +261,7 @@ def all_gather(
     stats: CommStats | None = None,
     unit: str = "",
     position: Position | None = None,
+    interrupt: Interrupt | None = None,
 ) -> Pending:
     """Start ``all_gather_into_tensor(out, shard)`` asynchronously."""
     return _issue(
@@ -270,6 +277,7 @@ def all_gather(
         position=position,
         reads=[shard],
         writes=[out],
+        interrupt=interrupt,
     )
 
 
@@ -284,6 +292,7 @@ def reduce_scatter(
     unit: str = "",
     position: Position | None = None,
     fixed_order: bool = False,
+    interrupt: Interrupt | None = None,
 ) -> Pending:
     """Start a summing reduce-scatter of ``full`` (rank-major blocks) into ``out``, async.
 
@@ -309,6 +318,7 @@ def reduce_scatter(
             lambda: dist.all_to_all_single(recv, full.view(-1), group=group, async_op=True),
             full, recv.view(world, -1), out, fixed_order,
             stats=stats, what=what, unit=unit, timeout=timeout, group=group, position=position,
+            interrupt=interrupt,
         )  # fmt: skip
         if gloo:  # the tags are compared per rank on the host (NCCL: from the sums, on device)
             pending.rows = recv.view(world, -1)
@@ -328,6 +338,7 @@ def reduce_scatter(
         position=position,
         reads=[full],
         writes=[out],
+        interrupt=interrupt,
     )
 
 
@@ -363,6 +374,7 @@ def all_reduce_fixed_order(
     timeout: timedelta,
     stats: CommStats | None = None,
     unit: str = "",
+    interrupt: Interrupt | None = None,
 ) -> Pending:
     """Start an all-reduce (SUM) whose sum is NOTE [Sums in a fixed order]'s: every rank's
     ``tensor`` is gathered and summed here in a balanced tree, in rank order, into ``tensor``
@@ -376,6 +388,7 @@ def all_reduce_fixed_order(
         lambda: _all_gather_single(recv, flat, group=group, async_op=True),
         tensor, recv.view(world, -1), flat, True,
         stats=stats, what=what, unit=unit, timeout=timeout, group=group, position=None,
+        interrupt=interrupt,
     )  # fmt: skip
 
 
@@ -416,6 +429,7 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     stats: CommStats | None = None,
     unit: str = "",
+    interrupt: Interrupt | None = None,
 ) -> Pending:
     """Start an ``all_reduce`` asynchronously."""
     return _issue(
@@ -429,6 +443,7 @@ def all_reduce(
         timeout=timeout,
         group=group,
         position=None,
+        interrupt=interrupt,
     )
 
 
@@ -474,6 +489,12 @@ class Comm:
     custom_reduce_scatter: Any = None
     # NOTE [Sums in a fixed order] (fullshard.deterministic.enable)
     fixed_order: bool = False
+    # NOTE [Interrupts]: its waits' way out under live recovery (its group's, taken when built)
+    interrupt: Interrupt | None = None
+
+    def __post_init__(self) -> None:
+        if self.interrupt is None:
+            self.interrupt = interrupt_for(self.group)
 
     def position(self, kind: str, phase: Phase, index: int) -> Position:
         return self.stats.next_position(kind, self.unit, phase, index)
@@ -520,7 +541,10 @@ class Comm:
 
     def _bound(self, what: str) -> dict[str, Any]:
         """The keyword arguments every collective of this unit passes."""
-        return {"what": what, "timeout": self.timeout, "stats": self.stats, "unit": self.unit}
+        return {
+            "what": what, "timeout": self.timeout, "stats": self.stats, "unit": self.unit,
+            "interrupt": self.interrupt,
+        }  # fmt: skip
 
     def all_reduce_replicas(self, tensor: torch.Tensor) -> Pending:
         """HSDP: the sum of a gradient shard over the replicas that hold the same shard."""
@@ -532,4 +556,5 @@ class Comm:
             timeout=self.timeout,
             stats=self.stats,
             unit=self.unit,
+            interrupt=self.interrupt,
         )

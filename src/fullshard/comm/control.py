@@ -20,10 +20,9 @@ import torch
 import torch.distributed as dist
 
 from fullshard.comm.collectives import all_gather, all_reduce, broadcast
-from fullshard.comm.device import accepted_devices, comm_device
+from fullshard.comm.device import accepted_devices, as_host, comm_device
 from fullshard.comm.mesh import default_timeout
 from fullshard.policies import FullshardError
-from fullshard.testing import emulation
 
 __all__ = [
     "all_gather_objects",
@@ -200,8 +199,8 @@ def ring_exchange(
     swap(sizes, theirs)
     got = []
     for payload, size in zip(payloads, theirs.tolist(), strict=True):
-        into = emulation.as_host(torch.empty(size, dtype=torch.uint8))
+        into = as_host(torch.empty(size, dtype=torch.uint8))
         send = payload.contiguous()
-        swap(send if send.is_pinned() else emulation.as_host(send), into)
+        swap(send if send.is_pinned() else as_host(send), into)
         got.append(into)
     return got

@@ -49,7 +49,9 @@ from __future__ import annotations
 import functools
 import os
 import time
+import weakref
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -388,7 +390,7 @@ class Verdict:
 # -- 2. explaining a failed wait ---------------------------------------------------------------
 def explain_failure(pos: Position | None, what: str, group: dist.ProcessGroup | None) -> str:
     """Publish this rank's position in the store and collect the others' (best effort)."""
-    if interrupt is not None:  # under live recovery a failure is a lost rank: recover at once
+    if interrupt_for(group) is not None:  # under live recovery a failure is a lost rank
         return f"this rank was at {pos or what} (--elastic: not waiting for the others)"
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -439,7 +441,7 @@ def fingerprint_check(
     everyone = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
     assert work is not None
-    timed_wait(work, timeout)
+    timed_wait(work, timeout, interrupt_for(group))
     rows = everyone.view(world, -1).cpu()
     if bool((rows == mine.cpu().reshape(1, -1)).all()):
         return
@@ -456,28 +458,62 @@ def fingerprint_check(
     )
 
 
-# Set by fullshard.elastic while a rank runs under live recovery: True once the launcher has
-# written a new membership. A gloo wait cannot be cut short from outside (neither the peers'
-# abort nor this rank's own wakes an async work), so under recovery host waits poll instead.
-interrupt: Any = None
-
-
 class Interrupted(FullshardError):
     """A wait given up because the job's membership changed (``fullshard.elastic``)."""
 
 
-def give_up_if_interrupted() -> None:
-    """Raise :class:`Interrupted` when the job's membership changed (no-op otherwise)."""
-    if interrupt is not None and interrupt():
-        raise Interrupted("the job's membership changed while this rank waited")
+class Interrupt:
+    """NOTE [Interrupts]: a way out of this process's waits on one generation's collectives.
+
+    Under live recovery (``fullshard.elastic``) a peer may die inside a collective. A gloo
+    wait cannot be cut short from outside (neither the peers' abort nor this rank's own wakes
+    an async work), so the waits poll: ``fired()`` turns true once the job's membership has
+    moved past the generation the token was made for, and the wait raises
+    :class:`Interrupted`. The token travels with the groups' communication context: a unit's
+    ``Comm`` holds the one of its group (taken when the unit is built), and a control-plane
+    collective takes its group's (:func:`interrupt_for`). A token fires for its own generation
+    only: a unit or wait of the next generation is never cut short by the last one's."""
+
+    def __init__(self, fired: Callable[[], bool], what: str) -> None:
+        self.fired, self.what = fired, what
+
+    def check(self) -> None:
+        """Raise :class:`Interrupted` once the token fired."""
+        if self.fired():
+            raise Interrupted(f"{self.what} while this rank waited")
 
 
-def _polled_wait(work: dist.Work, timeout: timedelta) -> bool:
+# the token of each process group that has one (its owner, fullshard.elastic, sets it)
+_TOKENS: weakref.WeakKeyDictionary[Any, Interrupt] = weakref.WeakKeyDictionary()
+
+
+def set_interrupt(token: Interrupt | None, group: dist.ProcessGroup | None = None) -> None:
+    """Give waits on ``group``'s collectives (default: the default group, whose token the
+    groups made from it share) the way out ``token``; ``None`` takes it away."""
+    key = group if group is not None else dist.group.WORLD
+    if key is None:  # no process group: nothing to wait on
+        return
+    if token is None:
+        _TOKENS.pop(key, None)
+    else:
+        _TOKENS[key] = token
+
+
+def interrupt_for(group: dist.ProcessGroup | None) -> Interrupt | None:
+    """The token waits on ``group`` poll: the group's own, else the default group's (a group
+    made from it, an HSDP shard group); ``None`` outside live recovery."""
+    if not _TOKENS:
+        return None
+    found = _TOKENS.get(group) if group is not None else None
+    world = dist.group.WORLD
+    return found if found is not None or world is None else _TOKENS.get(world)
+
+
+def _polled_wait(work: dist.Work, timeout: timedelta, interrupt: Interrupt) -> bool:
     deadline = time.monotonic() + timeout.total_seconds()
     pause = 5e-5
     while not work.is_completed():
-        if interrupt is not None and interrupt():
-            raise Interrupted("the job's membership changed while this rank waited")
+        interrupt.check()
         if time.monotonic() > deadline:
             return False
         time.sleep(pause)
@@ -485,12 +521,13 @@ def _polled_wait(work: dist.Work, timeout: timedelta) -> bool:
     return bool(work.wait())
 
 
-def timed_wait(work: dist.Work, timeout: timedelta) -> bool:
+def timed_wait(work: dist.Work, timeout: timedelta, interrupt: Interrupt | None = None) -> bool:
     """``work.wait(timeout)``, or a plain ``wait()`` on a backend whose work objects take no
     timeout (torch's threaded test process group raises "with finite timeout not
-    implemented"): there a hang is bounded by the process group's own timeout instead."""
+    implemented"): there a hang is bounded by the process group's own timeout instead. With an
+    ``interrupt`` (NOTE [Interrupts]) the wait polls it."""
     if interrupt is not None:
-        return _polled_wait(work, timeout)
+        return _polled_wait(work, timeout, interrupt)
     try:
         return bool(work.wait(timeout))
     except RuntimeError as exc:

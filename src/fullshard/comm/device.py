@@ -20,22 +20,26 @@ Outside ``fullshard.comm`` no code calls a ``torch.distributed`` collective dire
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fullshard.comm.runtime import runtime
 from fullshard.policies import FullshardError
-from fullshard.testing import emulation
 
 __all__ = [
     "accepted_devices",
+    "as_host",
     "check_device",
     "check_tensor",
     "comm_device",
     "cuda_semantics",
     "cuda_usable",
     "current_stream",
+    "in_host_memory",
+    "name_tensor",
     "new_event",
     "new_stream",
     "same_bits",
@@ -122,55 +126,38 @@ def cuda_usable(index: int) -> str:
 
 
 # -- the CUDA code path, on a GPU or under the CUDA emulation -------------------------------------
-# NOTE [The CUDA path on CPU]
-# Code written for CUDA streams (the engine's gather and reduce streams, the deferred desync
-# verdicts, pinned offload copies, stream-ordered collective waits) runs on a GPU, or on CPU
-# tensors under ``fullshard.testing.cuda_emulation()``, where virtual streams and events check
-# CUDA's ordering rules and count host synchronisations (issue 17). Every such branch asks
-# ``cuda_semantics(device)`` and takes its streams and events from the helpers below, so one
-# code path is both what runs on the GPU and what the emulation checks on CPU.
+# NOTE [The CUDA path on CPU] (comm/runtime.py): these delegate to the device runtime in use.
 
 
 def cuda_semantics(device: torch.device) -> bool:
     """Whether code on ``device`` follows CUDA's stream semantics: a CUDA device, or any device
-    while the CUDA emulation is active."""
-    return device.type == "cuda" or emulation.is_active()
+    while the CUDA emulation is in use."""
+    return runtime().cuda_semantics(device)
 
 
 def new_stream(device: torch.device, name: str) -> Any:
     """A side stream (high priority, as FSDP2's) on ``device``; a virtual one under emulation."""
-    if emulation.is_active():
-        return emulation.VirtualStream(name)
-    return torch.cuda.Stream(device, priority=-1)
+    return runtime().new_stream(device, name)
 
 
 def current_stream(device: torch.device) -> Any:
     """The stream current on ``device`` (compute, unless a ``use_stream`` block changed it)."""
-    if emulation.is_active():
-        return emulation.current_stream()
-    return torch.cuda.current_stream(device)
+    return runtime().current_stream(device)
 
 
 def use_stream(stream: Any) -> contextlib.AbstractContextManager[Any]:
     """``torch.cuda.stream(stream)``: make ``stream`` current in a ``with`` block."""
-    if emulation.is_active():
-        return emulation.stream(stream)
-    return torch.cuda.stream(stream)
+    return runtime().use_stream(stream)
 
 
 def synchronize(device: torch.device) -> None:
     """The host waits for everything queued on ``device`` (outside the steady state only)."""
-    if emulation.is_active():
-        emulation.synchronize()
-    elif device.type == "cuda":
-        torch.cuda.synchronize(device)
+    runtime().synchronize(device)
 
 
 def new_event() -> Any:
     """An unrecorded event (``torch.cuda.Event``, or a virtual one under emulation)."""
-    if emulation.is_active():
-        return emulation.VirtualEvent()
-    return torch.cuda.Event()
+    return runtime().new_event()
 
 
 def same_bits(what: str) -> contextlib.AbstractContextManager[Any]:
@@ -178,4 +165,20 @@ def same_bits(what: str) -> contextlib.AbstractContextManager[Any]:
     (the rows a rank holds, at any world size): under the CUDA emulation a reduction there
     raises, because a CUDA reduction's order follows its launch shape (NOTE [Kernel contracts]
     in ``fullshard.testing``); elsewhere it does nothing."""
-    return emulation.same_bits(what)
+    return runtime().same_bits(what)
+
+
+def name_tensor(t: torch.Tensor, name: str | Callable[[], str]) -> torch.Tensor:
+    """Name ``t`` in the CUDA emulation's messages (a function ``name`` is called only there)."""
+    return runtime().name_tensor(t, name)
+
+
+def as_host(t: torch.Tensor) -> torch.Tensor:
+    """Mark the CPU tensor ``t`` as the host's own memory (a gloo buffer, bytes from
+    ``frombuffer``), which the emulation's all-device mode would take for device memory."""
+    return runtime().as_host(t)
+
+
+def in_host_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in host memory (pinned or pageable)."""
+    return runtime().in_host_memory(t)

@@ -280,9 +280,10 @@ class Manager:
         return m
 
     def _watch(self) -> None:
-        """Start the watcher thread (once), and make host waits give up when it sees the
-        membership move on (``comm.desync.interrupt``)."""
-        from fullshard.comm import desync
+        """Start the watcher thread (once), and give this generation's groups a way out of
+        their waits that fires once the watcher sees the membership move past it (NOTE
+        [Interrupts]: their units' and the control plane's waits poll it)."""
+        from fullshard.comm.desync import Interrupt, set_interrupt
 
         if self._watcher is None and self.address is not None:
             host, port = self.address
@@ -290,7 +291,8 @@ class Manager:
             self._watcher = Watcher(host, port, self.member, lambda: self.generation, on_change)
         watcher = self._watcher
         if watcher is not None:
-            desync.interrupt = lambda: watcher.changed(self.generation)
+            g = self.generation
+            set_interrupt(Interrupt(lambda: watcher.changed(g), "the job's membership changed"))
 
     def join_waiting(self) -> bool:
         """Whether processes wait to join that the next boundary can admit (enough of them
@@ -301,12 +303,13 @@ class Manager:
 
     def close(self) -> None:
         """Stop this rank's watcher thread (before the process exits)."""
-        from fullshard.comm import desync
+        from fullshard.comm.desync import set_interrupt
 
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
-        desync.interrupt = None
+        if dist.is_initialized():
+            set_interrupt(None)
 
     def join_waiting_or_whole(self) -> bool:
         """:meth:`join_waiting`, or the job back at generation 0's world (nothing to wait for)."""
@@ -322,7 +325,7 @@ class Manager:
         """From the watcher thread, when the membership moves on (NCCL only): abort this rank's
         NCCL communicators, so that the kernels waiting for a dead peer end now and the host's
         next wait or read fails, instead of at the process group's timeout. (On gloo an abort
-        wakes no async work; host waits poll ``comm.desync.interrupt`` instead.) Not run on a
+        wakes no async work; host waits poll their NOTE [Interrupts] token instead.) Not run on a
         GPU yet: no device was lent."""
         for pg in list(dist.distributed_c10d._world.pg_map):
             if "nccl" in str(dist.get_backend(pg)).lower():

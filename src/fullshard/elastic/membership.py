@@ -27,7 +27,8 @@ runs under either launcher:
 A rank joins generation g's process group under a key prefix of g's own, so no key of a dead
 generation is read again. A member's watcher thread has a store client of its own (the main
 thread's may be blocked in a call); it raises the heartbeat and notices a newer generation, or
-a check-in for one, which makes this rank's host waits give up (``comm.desync.interrupt``).
+a check-in for one, which makes this rank's host waits give up (NOTE [Interrupts] in
+``comm/desync.py``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ import torch
 from fullshard.comm import device as comm_device
 from fullshard.elastic.membership import Lost
 from fullshard.policies import FullshardError
-from fullshard.testing import emulation
 
 __all__ = [
     "Copies",
@@ -117,7 +116,7 @@ def _slotted(pieces: dict[str, Any], flat: torch.Tensor) -> dict[str, Any]:
 def unpacked(meta: torch.Tensor, flat: torch.Tensor) -> dict[str, Any]:
     """The pieces :meth:`HostCopy.packed` sent, their tensors views of ``flat`` (host memory:
     what a gloo receive or an unpickled object gives)."""
-    meta, flat = emulation.as_host(meta), emulation.as_host(flat)
+    meta, flat = comm_device.as_host(meta), comm_device.as_host(flat)
     pieces = from_bytes(meta)
     return {
         "chunks": {p: (sh, o, _view(flat, s)) for p, (sh, o, s) in pieces["chunks"].items()},
@@ -305,7 +304,7 @@ def pieces_of(
     elif sources:
         on_device = []
         for src, view in zip(sources, views, strict=True):
-            if emulation.in_host_memory(src):  # a host tensor (AdamW's step count): at once,
+            if comm_device.in_host_memory(src):  # a host tensor (AdamW's step count): at once,
                 view.copy_(src)  # before the stream writes the rest of the buffer
             else:
                 on_device.append((src, view))
@@ -406,7 +405,7 @@ def to_bytes(obj: Any) -> torch.Tensor:
     buf = io.BytesIO()
     torch.save(obj, buf)
     # host memory on a GPU machine too (the CUDA emulation cannot see frombuffer make it)
-    return emulation.as_host(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    return comm_device.as_host(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
 
 
 def from_bytes(t: torch.Tensor) -> Any:

@@ -1,5 +1,5 @@
 """CUDA streams and events for one root's collectives (layer 6). On CPU every call is a no-op,
-except under the CUDA emulation (NOTE [The CUDA path on CPU] in ``comm/device.py``).
+except under the CUDA emulation (NOTE [The CUDA path on CPU] in ``comm/runtime.py``).
 
 NOTE [Streams and buffer lifetimes]
 Compute runs on the current stream. All-gathers (with their copy-in: the cast to
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from fullshard.comm.device import cuda_semantics, current_stream, new_stream, use_stream
-from fullshard.testing import emulation
+from fullshard.comm.runtime import runtime
 
 # torch.cuda.Event, or the emulation's VirtualEvent (NOTE [The CUDA path on CPU])
 Event = Any
@@ -137,14 +137,11 @@ class Streams:
             self._held = None
 
 
-_STREAMS: dict[torch.device, Streams] = {}
-
-
 def streams_for(device: torch.device) -> Streams:
-    """The process's gather and reduce streams for ``device`` (shared by every unit on it); under
-    the CUDA emulation, that emulation's virtual ones (NOTE [The CUDA path on CPU])."""
-    emu = emulation.active_emulation()
-    cache: dict[torch.device, Streams] = _STREAMS if emu is None else emu.owned
+    """The gather and reduce streams for ``device`` (shared by every unit on it), the device
+    runtime's own: under the CUDA emulation, that emulation's virtual ones (NOTE [The CUDA path
+    on CPU])."""
+    cache: dict[torch.device, Streams] = runtime().owned
     found = cache.get(device)
     if found is None:
         found = cache[device] = Streams(device)

@@ -70,7 +70,7 @@ from fullshard.comm.desync import (
     write_dynamic_tag,
     write_static_tag,
 )
-from fullshard.comm.device import cuda_semantics, current_stream, use_stream
+from fullshard.comm.device import cuda_semantics, current_stream, name_tensor, use_stream
 from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.param import GatheredStorage, ShardedParam
 from fullshard.engine.streams import Event, Streams, streams_for
@@ -95,7 +95,6 @@ from fullshard.policies import (
     Phase,
 )
 from fullshard.shard.layout import FlatLayout
-from fullshard.testing import emulation
 
 
 class CommUnit:
@@ -277,7 +276,7 @@ class CommUnit:
                 send = self._wire(pos)
                 numel = send.numel() * self.mesh.world_size
             out = comm.gather_buffer(numel, send.dtype, send.device)
-            emulation.name_tensor(out, lambda: f"all-gather output of unit '{self.name}'")
+            name_tensor(out, lambda: f"all-gather output of unit '{self.name}'")
             pending = comm.all_gather(out, send, pos)  # type: ignore[arg-type]
         self.gather_in_flight = GatherInFlight(pending, out, send, pos, pf is not None)
 
@@ -368,9 +367,7 @@ class CommUnit:
             fulls = [p.unsharded for p in self.params]  # views of the gathered storage
             pf.layout.pack_shard(fulls, pf.rank, shard)  # type: ignore[arg-type]
         write_static_tag(shard[-TAG_LEN:], self.index)
-        self.post_forward_shard = emulation.name_tensor(
-            shard, lambda: f"post-forward shard of '{self.name}'"
-        )
+        self.post_forward_shard = name_tensor(shard, lambda: f"post-forward shard of '{self.name}'")
         self.post_forward_event = self.streams.record_compute()
 
     # -- reduce gradients (NOTE [Reducing on streams]) -------------------------------------
@@ -408,7 +405,7 @@ class CommUnit:
             extra = reduce_tag_row(pos, present, bits, device).expand(world, -1).contiguous()
         # packed on the compute stream, where autograd made the gradients (rule 3)
         full = self.grad_layout.pack_for_reduce(grads, dtype=dtype, device=device, extra=extra)
-        emulation.name_tensor(full, lambda: f"packed gradients of unit '{self.name}'")
+        name_tensor(full, lambda: f"packed gradients of unit '{self.name}'")
         del grads  # the packed copy is all we need: the full gradients go now
         pre = self._pre_divide_factor()
         if pre != 1:  # NOTE [Dividing the sum]: the gradient columns only; the tags stay exact
@@ -424,7 +421,7 @@ class CommUnit:
                 out = full.view(-1)  # HSDP with a one-rank shard group: only the all-reduce
             else:
                 out = self.comm.reduce_buffer(full.shape[1], dtype, device)
-                emulation.name_tensor(out, lambda: f"reduce-scatter output of unit '{self.name}'")
+                name_tensor(out, lambda: f"reduce-scatter output of unit '{self.name}'")
                 pending = self.comm.reduce_scatter(out, full, pos)  # type: ignore[arg-type]
         flight = ReduceInFlight(pending, out, full, present, pos)
         if s.cuda:
@@ -575,7 +572,7 @@ class CommUnit:
         ):
             return shard.to("cpu")  # accumulating on the host (or a hook) needs the values now
         host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=True)
-        emulation.name_tensor(host, lambda: f"gradient shard of unit '{self.name}' (pinned host)")
+        name_tensor(host, lambda: f"gradient shard of unit '{self.name}' (pinned host)")
         host.copy_(shard, non_blocking=True)
         # recorded on the stream doing the copy (the reduce stream, or compute)
         self._offload_event = current_stream(shard.device).record_event()

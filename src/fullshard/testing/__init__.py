@@ -1,9 +1,10 @@
-"""Testing aids for fullshard (layer 1: they import nothing else from fullshard, so every layer
-may use them).
+"""Testing aids for fullshard (layer 2: they implement ``fullshard.comm.runtime``'s device
+runtime, and no production module imports them).
 
 ``fullshard.testing.cuda_emulation()`` runs code written for CUDA streams on CPU tensors and
-checks CUDA's ordering rules, and counts host synchronisations (``emulation.py``). Under it
-the engine takes its CUDA path (NOTE [The CUDA path on CPU] in ``comm/device.py``);
+checks CUDA's ordering rules and kernel contracts, and counts host synchronisations
+(``emulation.py``). Under it the engine takes its CUDA path, the emulation being the device
+runtime in use (NOTE [The CUDA path on CPU] in ``comm/runtime.py``);
 ``FULLSHARD_CUDA_EMULATION=1`` does the same for ``fullshard train``.
 """
 

@@ -101,6 +101,7 @@ from typing import Any
 
 import torch
 
+from fullshard.comm.runtime import DeviceRuntime, runtime, use_runtime
 from fullshard.testing import _emulation_contracts as contracts
 from fullshard.testing import _emulation_core as core
 from fullshard.testing._emulation_contracts import KernelContractError, fill_counts
@@ -120,6 +121,7 @@ from fullshard.testing._emulation_core import (
 
 __all__ = [
     "Emulation",
+    "EmulatedRuntime",
     "EmulatedWork",
     "KernelContractError",
     "StreamOrderError",
@@ -134,6 +136,7 @@ __all__ = [
     "default_stream",
     "emulated_collective",
     "emulated_pinned",
+    "emulated_runtime",
     "enabled_from_env",
     "fill_counts",
     "in_host_memory",
@@ -409,7 +412,8 @@ def _resize_storage(storage: torch.UntypedStorage, size: int) -> Any:
 
 @contextlib.contextmanager
 def cuda_emulation(*, all_device: bool = False) -> Iterator[Emulation]:
-    """Emulate CUDA streams over CPU tensors in this block (see the module docstring).
+    """Emulate CUDA streams over CPU tensors in this block (see the module docstring); the
+    code under test reaches it as the device runtime in use (``fullshard.comm.runtime``).
 
     ``all_device``: every storage is a device storage unless pinned or made by ``.cpu()``
     (for running a whole CUDA code path); else only those marked with ``as_device`` and what
@@ -422,10 +426,90 @@ def cuda_emulation(*, all_device: bool = False) -> Iterator[Emulation]:
     contracts.reset_fill_counts()
     torch.UntypedStorage.resize_ = _resize_storage  # type: ignore[method-assign,assignment]
     try:
-        with core.DispatchMode(emu), core.FunctionMode(emu) as mode, _backward_sees(mode):
+        with (
+            core.DispatchMode(emu),
+            core.FunctionMode(emu) as mode,
+            _backward_sees(mode),
+            use_runtime(EmulatedRuntime(emu)),
+        ):
             yield emu
     finally:
         torch.UntypedStorage.resize_ = core.ORIGINAL_RESIZE  # type: ignore[method-assign]
         emu.close()
         core.activate(None)
     emu.raise_pending()
+
+
+class EmulatedRuntime(DeviceRuntime):
+    """The CUDA emulation as the device runtime the code under test talks to (NOTE [The CUDA
+    path on CPU] in ``fullshard.comm.runtime``): virtual streams and events, checked
+    collectives, named tensors, host-memory marks, and the counts."""
+
+    checked = True
+
+    def __init__(self, emu: Emulation) -> None:
+        super().__init__()
+        self.emu = emu
+        self.owned = emu.owned  # per emulation: a new one starts with new virtual streams
+
+    def cuda_semantics(self, device: torch.device) -> bool:
+        return True
+
+    def new_stream(self, device: torch.device, name: str) -> Any:
+        return VirtualStream(name)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return current_stream()
+
+    def use_stream(self, s: Any) -> contextlib.AbstractContextManager[Any]:
+        return stream(s)
+
+    def synchronize(self, device: torch.device) -> None:
+        synchronize()
+
+    def new_event(self) -> Any:
+        return VirtualEvent()
+
+    def same_bits(self, what: str) -> contextlib.AbstractContextManager[Any]:
+        return same_bits(what)
+
+    def name_tensor(self, t: torch.Tensor, name: str | Callable[[], str]) -> torch.Tensor:
+        return name_tensor(t, name)
+
+    def as_host(self, t: torch.Tensor) -> torch.Tensor:
+        return as_host(t)
+
+    def in_host_memory(self, t: torch.Tensor) -> bool:
+        return in_host_memory(t)
+
+    def collective(
+        self,
+        outputs: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        *,
+        name: str,
+        work: Any,
+        abandon: Callable[[], None] | None,
+    ) -> Any:
+        return emulated_collective(outputs, inputs, name=name, work=work, abandon=abandon)
+
+    def host_syncs(self) -> int | None:
+        return sum(sync_counts().values())
+
+    def reset_host_syncs(self) -> None:
+        reset_sync_counts()
+
+    def filled_bytes(self) -> int | None:
+        return sum(fill_counts().values())
+
+
+def emulated_runtime() -> contextlib.AbstractContextManager[DeviceRuntime]:
+    """The factory ``FULLSHARD_CUDA_EMULATION=1`` names (``fullshard.comm.runtime``): a whole
+    run's CUDA path on CPU, every tensor a device tensor unless pinned or a host copy."""
+
+    @contextlib.contextmanager
+    def run() -> Iterator[DeviceRuntime]:
+        with cuda_emulation(all_device=True):
+            yield runtime()
+
+    return run()

@@ -50,7 +50,7 @@ from fullshard.app.train.monitor import (
 from fullshard.app.train.state import TrainCheckpoints
 from fullshard.app.train.verdict import StepBook
 from fullshard.comm import control
-from fullshard.testing import emulation
+from fullshard.comm.runtime import runtime, runtime_from_env
 
 __all__ = ["Trainer", "device_checks", "read_text", "train"]
 
@@ -77,11 +77,10 @@ def read_text(cfg: TrainConfig) -> tuple[Any, Any]:
 
 
 def device_checks() -> contextlib.AbstractContextManager[Any]:
-    """``FULLSHARD_CUDA_EMULATION=1``: the whole run takes its CUDA path on CPU, checked
-    (``fullshard.testing.cuda_emulation``), and summary.json counts host syncs per step."""
-    if not emulation.enabled_from_env():
-        return contextlib.nullcontext()
-    return emulation.cuda_emulation(all_device=True)
+    """The device runtime the run is checked under, chosen once (``fullshard.comm.runtime``):
+    with ``FULLSHARD_CUDA_EMULATION=1`` the whole run takes its CUDA path on CPU, checked, and
+    summary.json counts host syncs per step."""
+    return runtime_from_env()
 
 
 class Trainer:
@@ -230,11 +229,14 @@ class Trainer:
 
     # -- hooks of the loop (ElasticTrainer adds the step boundary's copies) -------------------
     def before_step(self, step: int) -> None:
-        """The step boundary: under the CUDA emulation, the previous step's host syncs."""
-        if emulation.is_active():
+        """The step boundary: where the runtime counts them (the CUDA emulation), the previous
+        step's host syncs."""
+        rt = runtime()
+        syncs = rt.host_syncs()
+        if syncs is not None:
             if step > self.done + 1:
-                self.host_syncs[str(step - 1)] = sum(emulation.sync_counts().values())
-            emulation.reset_sync_counts()
+                self.host_syncs[str(step - 1)] = syncs
+            rt.reset_host_syncs()
 
     def joining(self) -> Any:
         """For the ``hold`` fault: whether a process waits to join (none without --elastic)."""
@@ -325,11 +327,13 @@ class Trainer:
             # torchrun's restarts of every rank (--max-restarts); --elastic's survivors go on
             "process_restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         }
-        if emulation.is_active():
-            self.host_syncs[str(step)] = sum(emulation.sync_counts().values())  # + final save
+        rt = runtime()
+        syncs = rt.host_syncs()
+        if syncs is not None:
+            self.host_syncs[str(step)] = syncs  # with the final save
             summary["host_syncs_per_step"] = self.host_syncs
             # bytes torch filled in new tensors (deterministic mode; NOTE [Kernel contracts])
-            summary["filled_bytes"] = sum(emulation.fill_counts().values())
+            summary["filled_bytes"] = rt.filled_bytes()
         return summary
 
     def write_outputs(self, summary: dict[str, Any], sample: str, wall: float) -> None:
