@@ -198,6 +198,40 @@ def test_signal_to_fullshard_train_reaches_the_ranks(straight: Straight, tmp_pat
     ]
 
 
+@pytest.mark.parametrize(
+    ("sig", "elastic"), [(signal.SIGUSR1, False), (signal.SIGINT, True)], ids=["usr1", "int"]
+)
+def test_a_stop_signal_to_the_whole_process_group(
+    straight: Straight, tmp_path: Path, sig: signal.Signals, elastic: bool
+) -> None:
+    """What a terminal's Ctrl-C, ``timeout`` or a scheduler that signals every task does: the
+    signal reaches the launcher, its helper processes (multiprocessing's forkserver and resource
+    tracker) and every rank at once. One checkpoint after the same step on every rank, status
+    75, no traceback: the helpers ignore it (NOTE [Helpers ignore stop signals]). Under
+    ``--elastic`` the launcher is fullshard's own, which passes the signal on and knows a rank
+    that stopped from one that was lost."""
+    run = tmp_path / "cut"
+    mode = ["--elastic", "--micro-batch-size", "2"] if elastic else []
+    cmd = [sys.executable, "-m", "fullshard.app.cli", "train", *ARGS, *mode,
+           "--runs-dir", str(tmp_path), "--name", "cut"]  # fmt: skip
+    with _started(cmd, tmp_path / "log.txt", _env()) as proc:
+        _until(lambda: _logged_step(run) >= 2, proc, "logged step 2")
+        os.killpg(proc.pid, sig)
+        status = proc.wait(timeout=DEADLINE_S)
+    out = (tmp_path / "log.txt").read_text()
+    assert status == PREEMPTED_EXIT, out
+    stopped = json.loads((run / "summary.json").read_text())["preempted_after"]
+    assert 2 <= stopped < STEPS and f"preempted after step {stopped} ({sig.name})" in out
+    assert "Traceback" not in out and "died unexpectedly" not in out, out
+    assert "replacement" not in out and "exited with status" not in out  # no rank was lost
+    assert sorted(os.listdir(run / "checkpoints")) == [f"step_{stopped:08d}"]
+    assert verify(str(run / "checkpoints" / f"step_{stopped:08d}")) == ""
+    if not elastic:  # (--elastic reads the global sampler's batches: another run)
+        assert [(r["step"], r["loss"]) for r in records(run)] == [
+            (r["step"], r["loss"]) for r in records(straight.run)[:stopped]
+        ]
+
+
 def test_sigterm_to_the_torchrun_agent(straight: Straight, tmp_path: Path) -> None:
     # An external torchrun (as under SLURM's srun): its agent forwards SIGTERM to the ranks
     # and waits for them (--shutdown-timeout) before it would SIGKILL them. What such a

@@ -23,7 +23,15 @@ from test_app_cli import converted, train_on_ranks
 
 from fullshard.app.cli import main
 from fullshard.app.launch import elastic as elastic_launch
-from fullshard.elastic import Joiner, Unrecoverable, choose_boundary, decide, merge_pieces
+from fullshard.elastic import (
+    Joiner,
+    Unrecoverable,
+    assemble,
+    choose_boundary,
+    cut_for,
+    decide,
+    state_dicts,
+)
 from fullshard.elastic.membership import Decision, admission, after_loss
 
 COMMON = [
@@ -94,28 +102,40 @@ def test_the_next_membership_keeps_slots_fills_them_and_shrinks_to_a_world_the_j
 def _pieces(box: tuple[int, int], full: torch.Tensor, step: torch.Tensor) -> dict[str, Any]:
     a, b = box
     return {
-        "chunks": {"model\0w": ([4, 3], [a, 0], full[a:b].clone())},
+        "chunks": {
+            "model\0w": ([4, 3], [a, 0], full[a:b].clone()),
+            "optim\0w\0exp_avg": ([4, 3], [a, 0], -full[a:b]),
+        },
         "fulls": {"optim\0w\0step": step},
         "objects": {"param_groups": [{"lr": 0.1, "params": ["w"]}], "state": {"k": 1}},
     }
 
 
 @pytest.mark.fast
-def test_shards_of_any_layout_reassemble_into_the_full_state() -> None:
+def test_each_new_rank_receives_the_blocks_of_its_new_shard_only() -> None:
+    """NOTE [Restore by blocks]: pieces of 2 old ranks (rows 0-1, 2-3) restored at 3 new ranks
+    (rows 0-1, 2-3, none: torch.chunk's split of 4 rows): each new rank gets the intersections
+    with its own rows, the unsharded tensors and objects from one provider."""
     full = torch.arange(12.0).reshape(4, 3)
     step = torch.tensor(5.0)
-    # rows 0-1 from one rank, 2-3 from another, written out of order
-    model_sd, optim_sd, state = merge_pieces(
-        [_pieces((2, 4), full, step), _pieces((0, 2), full, step)]
-    )
-    assert torch.equal(model_sd["w"], full)
-    assert optim_sd == {
-        "state": {"w": {"step": step}},
-        "param_groups": [{"lr": 0.1, "params": ["w"]}],
-    }
-    assert state == {"k": 1}
+    old = [_pieces((0, 2), full, step), _pieces((2, 4), full, step)]
+    new_rows = [(0, 2), (2, 4), (4, 4)]
+    boxes = [{"w": ([b - a, 3], [a, 0])} for a, b in new_rows]
+    sent = [
+        [cut_for([part], box, with_whole=p == 0) for box in boxes] for p, part in enumerate(old)
+    ]
+    for rank, (a, b) in enumerate(new_rows):
+        received = [sent[p][rank] for p in range(len(old))]
+        blocks, whole = assemble(received, boxes[rank])
+        model_sd, optim_sd, state = state_dicts(blocks, whole)
+        assert torch.equal(model_sd["w"], full[a:b]) if b > a else model_sd["w"].numel() == 0
+        assert torch.equal(optim_sd["state"]["w"]["exp_avg"], -full[a:b])
+        assert optim_sd["state"]["w"]["step"] is not None and state == {"k": 1}
+        assert optim_sd["param_groups"] == [{"lr": 0.1, "params": ["w"]}]
+    # new rank 0 got rows 0-1 of each tensor from old rank 0 alone, nothing from old rank 1
+    assert sent[1][0].numel() < sent[0][0].numel()
     with pytest.raises(Unrecoverable, match="model.w: no survivor holds all of it"):
-        merge_pieces([_pieces((0, 2), full, step)])  # rows 2-3 lost
+        assemble([sent[0][1]], boxes[1])  # rows 2-3 lost with old rank 1
 
 
 @pytest.mark.fast

@@ -34,7 +34,8 @@ def test_under_two_torchrun_agents_a_lost_node_is_survived_and_its_restart_joins
     """Two agents of one rank each (one machine standing in for two nodes; one rank a node
     keeps the fresh interpreters torchrun starts to three): node 1 is lost at step 3, node 0's
     rank goes on alone and holds step 5 until the restarted node 1 (the same command again)
-    asks to join; it is admitted at a boundary and the run ends at world 2."""
+    asks to join; it is admitted (at a boundary, or at once if it asks while the survivor still
+    decides the membership) and the run ends at world 2."""
     port, run_id = _free_port(), f"job{os.getpid()}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
@@ -73,11 +74,21 @@ def test_under_two_torchrun_agents_a_lost_node_is_survived_and_its_restart_joins
     summary = json.loads((tmp_path / "nodes" / "summary.json").read_text())
     assert summary["process_restarts"] == 0
     changes = _changes(summary)
-    assert changes[0] == {"step": 2, "reason": "loss", "world_size": 1, "ranks_lost": [1],
-                          "ranks_joined": [], "ranks_left": []}  # fmt: skip
-    assert {k: changes[1][k] for k in ("reason", "world_size", "ranks_joined")} == {
-        "reason": "join", "world_size": 2, "ranks_joined": [1]
-    }  # fmt: skip
+    # Two histories are valid, and which one happens depends on when the restarted node asks:
+    # after the recovery (the survivor goes on alone, then admits it at a boundary), or while
+    # the survivor is still deciding the next membership (it takes the lost slot at once)
+    assert changes and {k: changes[0][k] for k in ("step", "reason", "ranks_lost")} == {
+        "step": 2, "reason": "loss", "ranks_lost": [1]
+    }, changes  # fmt: skip
+    if changes[0]["world_size"] == 1:
+        assert changes[0]["ranks_joined"] == [] and len(changes) == 2, changes
+        assert {k: changes[1][k] for k in ("reason", "world_size", "ranks_joined")} == {
+            "reason": "join", "world_size": 2, "ranks_joined": [1]
+        }  # fmt: skip
+    else:
+        assert (changes[0]["world_size"], changes[0]["ranks_joined"], len(changes)) == (
+            2, [1], 1
+        ), changes  # fmt: skip
     pids = summary["pids"]  # node 0's rank kept its process; node 1's is a new one
     assert pids[0] == summary["pids_at_start"][0] and pids[1] != summary["pids_at_start"][1]
     ckpt = tmp_path / "nodes" / "checkpoints" / "step_00000008"

@@ -30,6 +30,7 @@ __all__ = [
     "all_reduce_values",
     "barrier",
     "broadcast_object",
+    "all_to_all_bytes",
     "broadcast_tensor",
     "ring_exchange",
     "host_barrier",
@@ -173,13 +174,16 @@ def ring_exchange(
     group: dist.ProcessGroup | None = None,
     *,
     distance: int = 1,
+    reuse: Sequence[torch.Tensor] = (),
 ) -> list[torch.Tensor]:
     """Send this rank's host uint8 ``payloads`` (any lengths) to the rank ``distance`` ahead in
     rank order and return those of the rank ``distance`` behind (``fullshard.elastic``'s ring
     copies): their sizes first, then each, one send and one receive a payload. Everything stays
     on the host, so ``group`` must move CPU tensors (gloo). The waits are the process group's
     own, bounded by its timeout (a gloo send's work never reports itself complete to a poll, so
-    ``timed_wait``'s polling under ``--elastic`` would wait out its deadline; measured)."""
+    ``timed_wait``'s polling under ``--elastic`` would wait out its deadline; measured).
+    ``reuse``: receive buffers to fill again where the sizes match (one per payload), instead
+    of allocating new ones."""
     if "cpu" not in accepted_devices(group):
         raise FullshardError("ring_exchange moves host bytes: give it a gloo group")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -197,10 +201,35 @@ def ring_exchange(
     sizes = torch.tensor([p.numel() for p in payloads], dtype=torch.int64)
     theirs = torch.tensor([0] * len(payloads), dtype=torch.int64)
     swap(sizes, theirs)
-    got = []
-    for payload, size in zip(payloads, theirs.tolist(), strict=True):
-        into = as_host(torch.empty(size, dtype=torch.uint8))
+    got: list[torch.Tensor] = []
+    old: list[torch.Tensor | None] = [*reuse, *[None] * (len(payloads) - len(reuse))]
+    for payload, size, buf in zip(payloads, theirs.tolist(), old, strict=True):
+        if buf is not None and buf.numel() == size and buf.dtype == torch.uint8:
+            into = buf
+        else:
+            into = as_host(torch.empty(size, dtype=torch.uint8))
         send = payload.contiguous()
         swap(send if send.is_pinned() else as_host(send), into)
         got.append(into)
     return got
+
+
+def all_to_all_bytes(
+    sends: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """Every rank's host uint8 ``sends[r]`` (any lengths) to rank ``r``; what each rank sent
+    this one, in rank order: the sizes first (one small all-to-all), then the bytes (one
+    all-to-all of uneven blocks). Host memory on a gloo ``group``, as :func:`ring_exchange`."""
+    if "cpu" not in accepted_devices(group):
+        raise FullshardError("all_to_all_bytes moves host bytes: give it a gloo group")
+    world = dist.get_world_size(group)
+    if len(sends) != world:
+        raise ValueError(f"all_to_all_bytes needs one block per rank ({world}), got {len(sends)}")
+    sizes = as_host(torch.tensor([s.numel() for s in sends], dtype=torch.int64))
+    theirs = as_host(torch.zeros(world, dtype=torch.int64))
+    dist.all_to_all_single(theirs, sizes, group=group)
+    send = as_host(torch.cat([s.reshape(-1) for s in sends]) if world else sizes[:0])
+    counts = theirs.tolist()
+    recv = as_host(torch.empty(sum(counts), dtype=torch.uint8))
+    dist.all_to_all_single(recv, send, counts, sizes.tolist(), group=group)
+    return list(recv.split(counts))

@@ -46,12 +46,8 @@ from fullshard._lazy import lazy_exports
 if TYPE_CHECKING:  # the real imports, for type checkers and IDEs
     from fullshard.elastic.manager import Aborted, Layout, Manager, Regroup, abort_groups
     from fullshard.elastic.membership import Joiner, Lost, Membership, decide
-    from fullshard.elastic.pieces import (
-        Unrecoverable,
-        choose_boundary,
-        merge_pieces,
-        pieces_of,
-    )
+    from fullshard.elastic.pieces import Unrecoverable, choose_boundary, pieces_of
+    from fullshard.elastic.restore import assemble, cut_for, state_dicts
 
 __all__ = [
     "Aborted",
@@ -63,10 +59,12 @@ __all__ = [
     "Regroup",
     "Unrecoverable",
     "abort_groups",
+    "assemble",
     "choose_boundary",
+    "cut_for",
     "decide",
-    "merge_pieces",
     "pieces_of",
+    "state_dicts",
 ]
 
 # public name -> the module that defines it (the TYPE_CHECKING imports above, as data)
@@ -82,8 +80,10 @@ _SOURCES = {
     "decide": "fullshard.elastic.membership",
     "Unrecoverable": "fullshard.elastic.pieces",
     "choose_boundary": "fullshard.elastic.pieces",
-    "merge_pieces": "fullshard.elastic.pieces",
     "pieces_of": "fullshard.elastic.pieces",
+    "assemble": "fullshard.elastic.restore",
+    "cut_for": "fullshard.elastic.restore",
+    "state_dicts": "fullshard.elastic.restore",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _SOURCES)

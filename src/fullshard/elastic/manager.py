@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -19,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from fullshard.elastic.membership import (
-    DEAD_S,
     JOIN_ENV,
     MEMBER_ENV,
     REPLACES_ENV,
@@ -27,20 +27,26 @@ from fullshard.elastic.membership import (
     JobStore,
     Lost,
     Membership,
-    Watcher,
     admission,
-    after_loss,
 )
 from fullshard.elastic.pieces import (
+    REPLICATED,
     Copies,
     HostCopy,
     Unrecoverable,
     choose_boundary,
-    merge_pieces,
     pieces_of,
-    unpacked,
     update_after_copies,
 )
+from fullshard.elastic.restore import (
+    assemble,
+    cut_for,
+    state_dicts,
+    target_boxes,
+    unpacked_parts,
+)
+from fullshard.elastic.settle import Settle
+from fullshard.elastic.watcher import Watcher
 
 __all__ = ["Aborted", "Layout", "Manager", "Regroup", "abort_groups"]
 
@@ -73,6 +79,36 @@ class Layout:
 _ABANDONED: list[Any] = []
 
 
+# one abort at a time: the watcher thread's (NCCL) and the main thread's (recovery) may meet
+_ABORTING = threading.RLock()
+
+
+def _abort_all(groups: list[Any]) -> None:
+    """``abort()`` every group of ``groups``, the newest first; NCCL communicators within one
+    NCCL group call, as torch's ``_abort_process_group`` does, so that their aborts cannot
+    deadlock each other (pytorch/pytorch#119797)."""
+    nccl = None
+    for pg in groups:
+        with contextlib.suppress(Exception):  # a group without a CUDA backend, or torn down
+            backend = pg._get_backend(torch.device("cuda"))
+            if type(backend).__name__ == "ProcessGroupNCCL":
+                nccl = backend
+                break
+    if nccl is not None:
+        with contextlib.suppress(Exception):
+            nccl._group_start()
+    try:
+        for pg in reversed(groups):
+            abort = getattr(pg, "abort", None)
+            if abort is not None:
+                with contextlib.suppress(Exception):  # already failed or torn down
+                    abort()
+    finally:
+        if nccl is not None:
+            with contextlib.suppress(Exception):
+                nccl._group_end()
+
+
 def abort_groups() -> None:
     """Abort every process group of this rank (a peer blocked in a synchronous gloo collective
     with it fails at once), and forget them, so that a new default group can be made.
@@ -82,33 +118,30 @@ def abort_groups() -> None:
     timeout). The groups are kept referenced instead, so that their destructors never wait
     either; a lost generation costs its groups' memory. Safe to call when none is initialised.
     """
-    if not dist.is_initialized():
-        return
-    c10d = dist.distributed_c10d
-    groups = list(c10d._world.pg_map.keys())
-    for pg in groups:
-        abort = getattr(pg, "abort", None)
-        if abort is not None:
-            with contextlib.suppress(RuntimeError):  # already failed or torn down
-                abort()
-    forget = (
-        getattr(c10d, "_update_default_pg", None),
-        getattr(c10d, "_unregister_all_process_groups", None),
-    )
-    if None in forget:  # an older torch: the slow way, bounded by the timeout
-        dist.destroy_process_group()
-        return
-    _ABANDONED.extend(groups)
-    c10d._update_default_pg(None)
-    for name in (
-        "pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
-        "pg_coalesce_state",
-    ):  # fmt: skip
-        table = getattr(c10d._world, name, None)
-        if table is not None:
-            table.clear()
-    c10d._unregister_all_process_groups()
-    c10d._world.group_count = 0
+    with _ABORTING:
+        if not dist.is_initialized():
+            return
+        c10d = dist.distributed_c10d
+        groups = list(c10d._world.pg_map.keys())
+        _abort_all(groups)
+        forget = (
+            getattr(c10d, "_update_default_pg", None),
+            getattr(c10d, "_unregister_all_process_groups", None),
+        )
+        if None in forget:  # an older torch: the slow way, bounded by the timeout
+            dist.destroy_process_group()
+            return
+        _ABANDONED.extend(groups)
+        c10d._update_default_pg(None)
+        for name in (
+            "pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
+            "tags_to_pg", "pg_coalesce_state",
+        ):  # fmt: skip
+            table = getattr(c10d._world, name, None)
+            if table is not None:
+                table.clear()
+        c10d._unregister_all_process_groups()
+        c10d._world.group_count = 0
 
 
 @contextlib.contextmanager
@@ -176,6 +209,8 @@ class Manager:
         self.snapshot_s = 0.0  # time spent copying and exchanging, all boundaries together
         self.copy_bytes = 0  # host bytes of one boundary: this rank's copy and the one it keeps
         self._failed_at: float | None = None
+        self.progress = -1  # the training loop's newest step boundary
+        self.restored_bytes = 0  # bytes this rank received in its last restore
         self._joins_seen = 0
         self._watcher: Watcher | None = None
         self._stream: Any = None
@@ -262,7 +297,8 @@ class Manager:
     def _enter(self, g: int, record: dict[str, Any]) -> Membership:
         """Join generation ``g``'s process group (a key prefix of its own)."""
         m = Membership.of(g, record, self.member)
-        self.generation = g
+        with _ABORTING:  # a watcher's abort of the last generation's groups is over, or moot
+            self.generation = g
         if self.backend == "nccl":  # the watchdog aborts a failed communicator, but leaves
             # the process alive to recover (torch's default tears it down)
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
@@ -288,11 +324,22 @@ class Manager:
         if self._watcher is None and self.address is not None:
             host, port = self.address
             on_change = self._abort_device_groups if self.backend == "nccl" else None
-            self._watcher = Watcher(host, port, self.member, lambda: self.generation, on_change)
+            self._watcher = Watcher(
+                host, port, self.member, lambda: self.generation, on_change,
+                progress=lambda: self.progress, neighbour=self._neighbour, members=self._members,
+            )  # fmt: skip
         watcher = self._watcher
         if watcher is not None:
             g = self.generation
             set_interrupt(Interrupt(lambda: watcher.changed(g), "the job's membership changed"))
+
+    def _members(self) -> list[int]:
+        return [] if self.membership is None else self.membership.members
+
+    def _neighbour(self) -> int | None:
+        """The member whose heartbeat this one's watcher watches (the next rank's)."""
+        m = self.membership
+        return None if m is None or m.world < 2 else m.members[(m.rank + 1) % m.world]
 
     def join_waiting(self) -> bool:
         """Whether processes wait to join that the next boundary can admit (enough of them
@@ -305,6 +352,8 @@ class Manager:
         """Stop this rank's watcher thread (before the process exits)."""
         from fullshard.comm.desync import set_interrupt
 
+        with contextlib.suppress(Exception):  # (the store may be what was lost)
+            self.jobs.leaving(self.member)  # its heartbeat stops now: no one may suspect it
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -320,17 +369,23 @@ class Manager:
         """The job is done (rank 0, at the end): processes still waiting to join leave."""
         self.jobs.set_note("finished", "1")
 
-    @staticmethod
-    def _abort_device_groups() -> None:
-        """From the watcher thread, when the membership moves on (NCCL only): abort this rank's
-        NCCL communicators, so that the kernels waiting for a dead peer end now and the host's
-        next wait or read fails, instead of at the process group's timeout. (On gloo an abort
-        wakes no async work; host waits poll their NOTE [Interrupts] token instead.) Not run on a
-        GPU yet: no device was lent."""
-        for pg in list(dist.distributed_c10d._world.pg_map):
-            if "nccl" in str(dist.get_backend(pg)).lower():
-                with contextlib.suppress(Exception):
-                    pg.abort()
+    def _abort_device_groups(self, generation: int) -> None:
+        """From the watcher thread, when the membership moves on from ``generation`` (NCCL
+        only): abort that generation's NCCL communicators, so that the kernels waiting for a
+        dead peer end now and the host's next wait or read fails, instead of at the process
+        group's timeout. Only that generation's: when this rank has moved on already (its
+        recovery aborted them and made the next one's), nothing. (On gloo an abort wakes no
+        async work; host waits poll their NOTE [Interrupts] token instead.) Not run on a GPU
+        yet: no device was lent."""
+        with _ABORTING:
+            if self.generation != generation or not dist.is_initialized():
+                return
+            groups = []
+            for pg in list(dist.distributed_c10d._world.pg_map):
+                with contextlib.suppress(Exception):  # torn down meanwhile
+                    if "nccl" in str(dist.get_backend(pg)).lower():
+                        groups.append(pg)
+            _abort_all(groups)
 
     def abort(self, message: str) -> None:
         """Stop the whole job: every rank waiting for a membership reads ``message``."""
@@ -366,74 +421,14 @@ class Manager:
             return self._wait_admitted(target, "left out of the smaller world")
 
     def _settle(self, target: int, error: BaseException) -> dict[str, Any]:
-        """Check in for generation ``target`` and wait until it is written; the survivor of
-        lowest rank writes it once every member has checked in or is dead (NOTE [Generations])."""
+        """Check in for generation ``target`` and wait until it is written (NOTE
+        [Generations]; its decider fences a member lost though alive: NOTE [Fencing])."""
         m = self.membership
         assert m is not None, "join() first"
-        old = m.members
         info = {"held": self.copies.held(), "error": _why(error), "failed_at": self._failed_at}
-        self.jobs.check_in(target, self.member, info)
-        start = time.monotonic()
-        seen: dict[int, tuple[int, float]] = {}  # member -> (heartbeat, when it last moved)
-        while (record := self.jobs.generation(target)) is None:
-            self._check_abort()
-            ready = {x: r for x, r in self.jobs.check_ins(target).items() if x in old}
-            exits, now = self.jobs.exits(), time.monotonic()
-            dead = {x for x in old if x in exits and x not in ready}
-            for x, beat in self.jobs.beats(x for x in old if x not in ready.keys() | dead).items():
-                if seen.get(x, (None,))[0] != beat:
-                    seen[x] = (beat, now)
-                elif now - seen[x][1] > DEAD_S:
-                    dead.add(x)
-            unsettled = [old.index(x) for x in old if x not in ready and x not in dead]
-            waiting_for = {
-                e["replacement"] for x, e in exits.items() if x in dead and e.get("replacement")
-            } - {j.member for j in self.jobs.joins()}
-            writer = not unsettled and self.member == min(ready, key=old.index)
-            # the others wait longer than the writer, whose message (it ends the job) is better
-            late = now - start > self.timeout_s * (1 if writer or unsettled else 2)
-            if (
-                writer
-                and (not waiting_for or late)
-                and self._write(target, old, ready, exits, late)
-            ):
-                continue
-            if late:
-                what = f"rank(s) {unsettled} neither checked in nor died" if unsettled else (
-                    f"the replacement(s) {sorted(waiting_for)} never asked to join"
-                )  # fmt: skip
-                raise Lost(f"{_why(error)}, and {what} within {self._t()} (stuck?)")
-            time.sleep(0.02)
-        return record
-
-    def _write(
-        self,
-        target: int,
-        old: list[int],
-        ready: dict[int, dict[str, Any]],
-        exits: dict[int, dict[str, Any]],
-        late: bool,
-    ) -> bool:
-        """Decide generation ``target`` from the check-ins and write it (this rank is the
-        survivor of lowest rank); ``False`` when no world the job accepts can be formed yet
-        (joiners may still come, until the timeout: ``late``)."""
-        joiners = self.jobs.waiting(old, exits)
-        layouts = {int(g): n for r in ready.values() for g, n in r["held"]["layouts"].items()}
-
-        def covered(kept: list[int]) -> bool:
-            return choose_boundary({x: ready[x]["held"] for x in kept}, layouts) is not None
-
-        record = after_loss(old, ready, exits, joiners, self.accepts, covered)
-        if record is None and not late:
-            return False
-        if record is None:
-            raise Unrecoverable(
-                f"{len(ready)} rank(s) survive and {len(joiners)} wait to join, and the job runs "
-                f"at no world size up to {len(ready) + len(joiners)} (none came within "
-                f"{self._t()})"
-            )
-        self.jobs.write_generation(target, record)
-        return True
+        settle = Settle(self.jobs, self.member, target, m.members, self.timeout_s, self.accepts,
+                        self._check_abort)  # fmt: skip
+        return settle.run(info, _why(error))
 
     def _admit(self) -> None:
         """Rank 0 at a boundary whose copies are taken: admit waiting processes by writing the
@@ -458,13 +453,17 @@ class Manager:
         return self.layout(m.world)
 
     def snapshot(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
-    ) -> None:
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+        *, restored: bool = False,
+    ) -> None:  # fmt: skip
         """The step boundary after ``step`` steps (call on every rank before the step's first
         collective): send the previous boundary's copy to the ring neighbour, and copy this
         one's shards to the host. On rank 0 it may then raise :class:`Regroup` to admit
-        waiting processes."""
-        if not self.due(step) or step in self.copies.own:
+        waiting processes. ``restored``: the boundary a recovery just restored, whose copy is
+        sent at once (no one else holds it: another loss before the next boundary is sent
+        would find it nowhere), and no one is admitted here."""
+        self.progress = step  # the watcher publishes it (NOTE [Fencing])
+        if not restored and (not self.due(step) or step in self.copies.own):
             return
         from fullshard.checkpoint.state_dict import get_state_dict
         from fullshard.comm import device
@@ -487,7 +486,7 @@ class Manager:
         # the membership history travels with the state: a new rank 0 reports it all
         pieces, event, flat = pieces_of(
             model_sd, optim_sd, {**state, MEMBERSHIP: self.changes}, self.device, stream,
-            self.copies.boxes,
+            self.copies.boxes, spare=None if restored else self.copies.spare(),
         )  # fmt: skip
         if event is not None and not built_now:
             self._order_gathers(model, event)
@@ -496,11 +495,17 @@ class Manager:
             # compute as usual
             device.current_stream(self.device).wait_event(event)
         layout = self._layout()
-        key = f"{m.generation}:{layout.key(m.rank)}"
+        # before the first update no shard is held (NOTE [Ring copies]): everyone's copy is
+        # everyone's, so a rank lost in the first step is recovered from any survivor
+        mine = REPLICATED if not pieces["chunks"] else layout.key(m.rank)
+        key = f"{m.generation}:{mine}"
         self.copies.add_own(step, HostCopy(m.generation, key, pieces, event, flat), layout.keys)
+        if restored:
+            self._send_newest()
         self.copy_bytes = flat.numel() + self.copies.received
         self.snapshot_s += time.perf_counter() - t0
-        self._admit()
+        if not restored:
+            self._admit()
 
     @staticmethod
     def _order_gathers(model: nn.Module, event: Any) -> None:
@@ -532,17 +537,21 @@ class Manager:
         step = self.copies.take_unsent()
         if step is None or layout.keys < m.world or m.world == 1:
             return  # (HSDP: the replicas hold it; alone: no one can)
+        if self.copies.own[step].key.endswith(f":{REPLICATED}"):
+            return  # every rank holds this boundary already
         from fullshard.comm import control
 
         sent = self.copies.own[step].packed()
-        meta, flat = control.ring_exchange(sent, self.host_group, distance=layout.ring_step)
+        meta, flat = control.ring_exchange(
+            sent, self.host_group, distance=layout.ring_step, reuse=self.copies.spare_received()
+        )
         src = (m.rank - layout.ring_step) % m.world
         self.copies.keep(step, f"{m.generation}:{layout.key(src)}", meta, flat)
 
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> int:
         """Load the newest boundary the participants hold into ``model``, ``optimizer`` and
         ``state`` (call on every rank of the new generation); returns its step."""
-        from fullshard.checkpoint.state_dict import set_state_dict
+        from fullshard.checkpoint.state_dict import get_state_dict, set_state_dict
         from fullshard.comm import control
 
         m = self.membership
@@ -563,11 +572,19 @@ class Manager:
                 "survivor (ring neighbours, or every replica of a shard, lost together)"
             )
         step, providers = chosen
-        mine = self.copies.provide(
-            step, sorted(k for k, p in providers.items() if p == self.member)
+        # NOTE [Restore by blocks]: each rank receives the blocks of its new shards only
+        parts = unpacked_parts(
+            self.copies.provide(step, sorted(k for k, p in providers.items() if p == self.member))
         )
-        parts = [unpacked(*p) for ps in control.all_gather_objects(mine, group) for p in ps]
-        model_sd, optim_sd, loop_state = merge_pieces(parts)
+        like, _ = get_state_dict(model, optimizer)  # the new layout, as built
+        boxes = control.all_gather_objects(target_boxes(like), group)
+        first = min(providers.values())  # the unsharded tensors and objects: from one
+        sends = [cut_for(parts, box, with_whole=self.member == first) for box in boxes]
+        received = control.all_to_all_bytes(sends, group)
+        self.restored_bytes = sum(r.numel() for r in received)
+        del parts, sends  # (views of this rank's host copies, which are cleared below)
+        blocks, whole = assemble(received, boxes[m.rank])
+        model_sd, optim_sd, loop_state = state_dicts(blocks, whole, like)
         if optim_sd["param_groups"] is not None:  # else before the first update: as built
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         self.changes = list(loop_state.pop(MEMBERSHIP, []))

@@ -33,9 +33,7 @@ a check-in for one, which makes this rank's host waits give up (NOTE [Interrupts
 
 from __future__ import annotations
 
-import atexit
 import json
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -54,7 +52,6 @@ __all__ = [
     "JobStore",
     "Lost",
     "Membership",
-    "Watcher",
     "admission",
     "after_loss",
     "decide",
@@ -259,7 +256,17 @@ class JobStore:
         won = self.store.compare_set(_key("gen", g), "", text).decode() == text
         if won:
             self.store.add(_key("latest"), 1)  # generations 0..latest-1 exist
+            self._tell()
         return won
+
+    # news: one counter every noteworthy write raises, which the members' watchers poll
+    # instead of every key (NOTE [Generations]: a member's store traffic does not grow with
+    # the world size)
+    def _tell(self) -> None:
+        self.store.add(_key("news"), 1)
+
+    def news(self) -> int:
+        return int(self.store.add(_key("news"), 0))
 
     def latest(self) -> int:
         """The newest generation written (-1 before generation 0)."""
@@ -272,9 +279,16 @@ class JobStore:
     def check_in(self, g: int, member: int, info: dict[str, Any]) -> None:
         self._append(_key("ready", g), {"member": member, **info})
         self.store.add(_key("ready", g, "count"), 1)
+        self._tell()
 
     def check_ins(self, g: int) -> dict[int, dict[str, Any]]:
         return {r["member"]: r for r in self._lines(_key("ready", g))}
+
+    def decider(self, g: int, member: int, replaces: int | None = None) -> int:
+        """Claim the deciding of generation ``g`` for ``member`` (or take it over from
+        ``replaces``, a decider that died); the member who holds it now."""
+        expected = "" if replaces is None else str(replaces)
+        return int(self.store.compare_set(_key("decider", g), expected, str(member)).decode())
 
     def recovering(self, g: int) -> bool:
         """Whether any rank has checked in for generation ``g``."""
@@ -286,6 +300,7 @@ class JobStore:
             _key("exits"),
             {"member": member, "status": status, "replacement": replacement, "at": time.time()},
         )
+        self._tell()
 
     def exits(self) -> dict[int, dict[str, Any]]:
         return {r["member"]: r for r in self._lines(_key("exits"))}
@@ -295,6 +310,46 @@ class JobStore:
 
     def beats(self, members: Iterable[int]) -> dict[int, int]:
         return {m: int(self.store.add(_key("hb", m), 0)) for m in members}
+
+    def set_progress(self, member: int, step: int) -> None:
+        """The step the member's training loop last reached (its watcher publishes it)."""
+        self.store.set(_key("step", member), str(step))
+
+    def progress(self, members: Iterable[int]) -> dict[int, int]:
+        got = {m: self._get(_key("step", m)) for m in members}
+        return {m: int(raw) for m, raw in got.items() if raw is not None}
+
+    def suspect(self, member: int, by: int) -> None:
+        """``by``'s watcher saw ``member``'s heartbeat stop (NOTE [Fencing])."""
+        self._append(_key("suspects"), {"member": member, "by": by, "at": time.time()})
+        self._tell()
+
+    def suspects(self) -> set[int]:
+        return {r["member"] for r in self._lines(_key("suspects"))}
+
+    def fence(self, member: int, why: str) -> None:
+        """``member`` is lost, though its process may live (hung, frozen): it may never take
+        part again; its launcher kills it, and its own watcher ends it (NOTE [Fencing])."""
+        self._append(_key("fenced"), {"member": member, "why": why, "at": time.time()})
+        self.store.set(_key("fenced", member), why)
+        self._tell()
+
+    def fenced(self) -> dict[int, str]:
+        return {r["member"]: r["why"] for r in self._lines(_key("fenced"))}
+
+    def fenced_at(self) -> dict[int, float]:
+        return {r["member"]: r["at"] for r in self._lines(_key("fenced"))}
+
+    def why_fenced(self, member: int) -> str | None:
+        raw = self._get(_key("fenced", member))
+        return None if raw is None else raw.decode()
+
+    def leaving(self, member: int) -> None:
+        """``member`` ends normally: its heartbeat stops, and no one may suspect it for that."""
+        self.store.set(_key("leaving", member), "1")
+
+    def is_leaving(self, member: int) -> bool:
+        return bool(self.store.check([_key("leaving", member)]))
 
     # joins
     def reserve_ids(self, n: int) -> None:
@@ -308,6 +363,7 @@ class JobStore:
     def ask_join(self, member: int, replaces: int | None) -> None:
         self._append(_key("joins"), {"member": member, "replaces": replaces})
         self.store.add(_key("joins", "count"), 1)
+        self._tell()
 
     def join_count(self) -> int:
         return int(self.store.add(_key("joins", "count"), 0))
@@ -321,13 +377,20 @@ class JobStore:
         return list(latest.values())
 
     def waiting(self, members: list[int], exits: dict[int, Any]) -> list[Joiner]:
-        """The processes that asked to join, are not among ``members`` and did not exit."""
-        return [j for j in self.joins() if j.member not in members and j.member not in exits]
+        """The processes that asked to join, are not among ``members``, did not exit and were
+        not fenced (a zombie that wakes and asks again is refused: NOTE [Fencing])."""
+        fenced = self.fenced()
+        return [
+            j
+            for j in self.joins()
+            if j.member not in members and j.member not in exits and j.member not in fenced
+        ]
 
     # the end
     def abort(self, message: str) -> None:
         """End the whole job: every rank waiting on the store reads ``message``."""
         self.store.compare_set(_key("abort"), "", message)
+        self._tell()
 
     def aborted(self) -> str | None:
         raw = self._get(_key("abort"))
@@ -339,62 +402,3 @@ class JobStore:
     def note(self, name: str) -> str | None:
         raw = self._get(_key("note", name))
         return None if raw is None else raw.decode()
-
-
-class Watcher:
-    """A member's thread on the job's store (NOTE [Generations]): it raises the member's
-    heartbeat, and records the newest generation and the newest one being recovered to that
-    it has seen, and how many processes have asked to join; ``on_change`` is called (here) once
-    per generation the membership moves on from."""
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        member: int,
-        current: Callable[[], int],
-        on_change: Callable[[], None] | None = None,
-    ) -> None:
-        self.member, self.current, self.on_change = member, current, on_change
-        self._told = -1  # the last generation on_change was called for
-        self.newest = -1  # the newest generation seen written
-        self.recovering_to = -1  # the newest generation some rank has checked in for
-        self.joins = 0  # join requests seen
-        self._client = (host, port)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fullshard-elastic", daemon=True)
-        self._thread.start()
-        atexit.register(self.stop)  # a process that leaves without close()
-
-    def _run(self) -> None:
-        host, port = self._client
-        jobs = JobStore(dist.TCPStore(host, port, is_master=False, wait_for_workers=False))
-        last_beat = 0.0
-        while not self._stop.is_set():
-            try:
-                now = time.monotonic()
-                if now - last_beat >= HEARTBEAT_S:
-                    jobs.beat(self.member)
-                    last_beat = now
-                g = self.current()
-                self.newest = max(self.newest, jobs.latest())
-                if jobs.recovering(g + 1):
-                    self.recovering_to = max(self.recovering_to, g + 1)
-                self.joins = jobs.join_count()
-                if self.on_change is not None and self.changed(g) and self._told < g:
-                    self._told = g
-                    self.on_change()
-            except Exception:  # the store is gone (its host was lost): the main thread's own
-                return  # calls fail with the reason
-            self._stop.wait(0.05)
-
-    def changed(self, generation: int) -> bool:
-        """Whether the membership moved on from ``generation`` (written, or being decided)."""
-        return self.newest > generation or self.recovering_to > generation
-
-    def stop(self) -> None:
-        """End the thread and wait for it: a daemon thread still inside a store call when the
-        interpreter exits is ended in C++ code, which aborts the process ("terminate called
-        without an active exception")."""
-        self._stop.set()
-        self._thread.join(timeout=5.0)

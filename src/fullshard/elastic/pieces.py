@@ -25,7 +25,7 @@ travels.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +36,12 @@ from fullshard.elastic.membership import Lost
 from fullshard.policies import FullshardError
 
 __all__ = [
+    "REPLICATED",
     "Copies",
     "HostCopy",
     "Unrecoverable",
     "choose_boundary",
     "from_bytes",
-    "merge_pieces",
     "pieces_of",
     "to_bytes",
     "unpacked",
@@ -83,6 +83,7 @@ class HostCopy:
 
 
 _ALIGN = 64  # each view's byte offset in a flat buffer (any dtype's alignment)
+REPLICATED = "*"  # the shard key of a boundary that holds no shard: everyone's is everyone's
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,23 @@ class Copies:
         self._sent: set[int] = set()
         self.received = 0  # bytes of the newest copy kept
 
+    def spare(self) -> torch.Tensor | None:
+        """The flat buffer of the own boundary the next one replaces (the oldest of two), let
+        go now: it was sent a boundary ago, and the newer one is held on both sides."""
+        if len(self.own) < 2:
+            return None
+        step = min(self.own)
+        self._sent.discard(step)
+        return self.own.pop(step).flat
+
+    def spare_received(self) -> list[torch.Tensor]:
+        """The receive buffers (meta, flat) of the copy the next one received replaces, let go
+        now (the newer copy is held: a loss while the next one arrives recovers to that)."""
+        if len(self.kept) < 2:
+            return []
+        _, meta, flat = self.kept.pop(min(self.kept))
+        return [meta, flat]
+
     def add_own(self, step: int, copy: HostCopy, keys: int) -> None:
         self.own[step] = copy
         self.keys[copy.generation] = keys
@@ -209,7 +227,7 @@ class Copies:
         own, copy = self.own.get(step), self.kept.get(step)
         out = []
         for key in keys:
-            if own is not None and own.key == key:
+            if own is not None and own.key == key:  # (a replicated boundary's too: "g:*")
                 out.append(own.packed())
             elif copy is not None and copy[0] == key:
                 out.append((copy[1], copy[2]))
@@ -242,6 +260,7 @@ def pieces_of(
     device: torch.device,
     stream: Any = None,
     boxes: dict[str, tuple[list[int], list[int]]] | None = None,
+    spare: torch.Tensor | None = None,
 ) -> tuple[dict[str, Any], Any, torch.Tensor]:
     """This rank's part of a step boundary, on the host: every DTensor leaf as its local block
     with the block's place in the global tensor; plain tensors as they are, also those inside
@@ -251,7 +270,8 @@ def pieces_of(
     it is filled (``None``: filled already), and the buffer. With ``stream`` (the CUDA path) the
     buffer is pinned and filled on that stream, which first waits for the current one.
     ``boxes``: a cache of each DTensor's local box, kept while the layout stands (DTensor's
-    rule reads the mesh, a few host reads per tensor).
+    rule reads the mesh, a few host reads per tensor). ``spare``: a buffer to fill again if it
+    has the size (a dropped boundary's).
     """
     from torch.distributed.tensor import DTensor
 
@@ -292,7 +312,13 @@ def pieces_of(
     for t in sources:
         slots.append(_Slot(end, t.dtype, tuple(t.shape)))
         end += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    flat = torch.empty(end, dtype=torch.uint8, pin_memory=stream is not None)
+    # a dropped boundary's buffer when it fits (``spare``; its copies ended with its sending):
+    # no allocation, and on a GPU no new pinned memory, at every boundary
+    pinned = stream is not None
+    if spare is not None and spare.numel() == end and spare.is_pinned() == pinned:
+        flat = spare
+    else:
+        flat = torch.empty(end, dtype=torch.uint8, pin_memory=pinned)
     views = [_view(flat, slot) for slot in slots]
     chunks = {p: (sh, off, views[i]) for p, (sh, off, i) in chunks.items()}
     fulls = {p: views[i] for p, i in fulls.items()}
@@ -333,45 +359,6 @@ def update_after_copies(
     optimizer.register_step_pre_hook(wait)
 
 
-def merge_pieces(parts: Iterable[dict[str, Any]]) -> tuple[dict, dict, dict]:
-    """The full model state dict, optimizer state dict and loop state that ``parts`` (pieces
-    of one boundary, from any world size, each block at least once) cover; raises
-    :class:`Unrecoverable` naming a tensor some element of which no part holds."""
-    parts = list(parts)
-    full: dict[str, torch.Tensor] = {}
-    covered: dict[str, torch.Tensor] = {}
-    for part in parts:
-        for path, (shape, offset, local) in part["chunks"].items():
-            if path not in full:
-                full[path] = torch.empty(shape, dtype=local.dtype)
-                covered[path] = torch.zeros(shape, dtype=torch.bool)
-            box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))
-            full[path][box] = local
-            covered[path][box] = True
-        for path, t in part["fulls"].items():
-            full.setdefault(path, t)
-            covered.setdefault(path, torch.ones((), dtype=torch.bool))
-    for path, mask in covered.items():
-        if not bool(mask.all()):
-            name = path.replace("\0", ".")
-            raise Unrecoverable(f"{name}: no survivor holds all of it")
-    objects = _lower(parts[0]["objects"], full)
-    model_sd: dict[str, Any] = {}
-    optim_state: dict[str, dict[str, Any]] = {}
-    for path, t in full.items():
-        kind, *rest = path.split("\0")
-        if kind == "model":
-            model_sd[rest[0]] = t
-        elif kind == "optim":
-            optim_state.setdefault(rest[0], {})[rest[1]] = t
-    for path, v in objects.items():
-        if path.startswith("optim\0"):
-            _, fqn, k = path.split("\0")
-            optim_state.setdefault(fqn, {})[k] = v
-    optim_sd = {"state": optim_state, "param_groups": objects["param_groups"]}
-    return model_sd, optim_sd, objects["state"]
-
-
 def choose_boundary(
     held: dict[int, dict[str, dict[int, str]]], layouts: dict[int, int]
 ) -> tuple[int, dict[str, int]] | None:
@@ -382,7 +369,8 @@ def choose_boundary(
     participant holds of its own shards and of another rank's; a key is ``"g:k"``, shard ``k``
     of generation ``g``'s layout, which has ``layouts[g]`` keys (NOTE [Ring copies]). A
     participant's own copy is preferred, then the lowest participant: the same choice on every
-    rank.
+    rank. A boundary before the first update holds no shard (:data:`REPLICATED`, key ``"g:*"``):
+    every participant's copy is every rank's, and the lowest participant's is chosen.
     """
     boundaries = sorted(
         {(s, int(k.split(":")[0])) for h in held.values() for kind in ("own", "copy")
@@ -396,6 +384,9 @@ def choose_boundary(
                 key = held[p][kind].get(step)
                 if key is not None and key.startswith(f"{gen}:"):
                     providers.setdefault(key, p)
+        everyone = f"{gen}:{REPLICATED}"
+        if everyone in providers:
+            return step, {everyone: providers[everyone]}
         if all(f"{gen}:{k}" in providers for k in range(layouts.get(gen, 1 << 62))):
             return step, providers
     return None

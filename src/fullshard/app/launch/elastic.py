@@ -76,7 +76,8 @@ def launch_elastic(
     import torch.distributed as dist
 
     from fullshard.app.errors import ERROR_MARKER_ENV, VALIDATED_ENV, read_error
-    from fullshard.app.launch.local import RANK_PRELOAD, run_rank
+    from fullshard.app.launch.local import RANK_PRELOAD, run_rank, start_helpers
+    from fullshard.app.launch.preempt import MARKER_ENV, PREEMPTED_EXIT, ForwardSignals, read_marker
     from fullshard.elastic.membership import (
         JOIN_ENV,
         MEMBER_ENV,
@@ -102,7 +103,7 @@ def launch_elastic(
         }
     )
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(RANK_PRELOAD)
+    start_helpers(RANK_PRELOAD)
     procs: dict[int, Any] = {}  # member id -> its process
     slots: dict[int, int] = {}  # member id -> the local slot (device) it runs on
     reported: set[int] = set()
@@ -116,6 +117,11 @@ def launch_elastic(
         p = ctx.Process(target=run_rank, args=(child, module, list(argv)), daemon=False)
         p.start()
         procs[member], slots[member] = p, slot
+
+    def forward(signum: int) -> None:  # NOTE [Preemption]: the ranks checkpoint and exit 75
+        for p in procs.values():
+            if p.is_alive():
+                os.kill(p.pid, signum)
 
     def stop_all() -> None:
         for p in procs.values():
@@ -131,8 +137,9 @@ def launch_elastic(
         return [procs[m] for m in members if m in procs]
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    with tempfile.TemporaryDirectory(prefix="fullshard-elastic-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fullshard-elastic-") as tmp, ForwardSignals(forward):
         error = base[ERROR_MARKER_ENV] = os.path.join(tmp, "input-error.txt")
+        marker = base[MARKER_ENV] = os.path.join(tmp, "preempted.json")
         jobs.reserve_ids(nproc)
         for rank in range(nproc):
             start(rank, rank, None)
@@ -155,9 +162,17 @@ def launch_elastic(
                 stop_all()
                 print(f"fullshard: {aborted}", file=sys.stderr)
                 return 1
+            for member, why in jobs.fenced().items():  # NOTE [Fencing]: never again
+                p = procs.get(member)
+                if p is not None and p.is_alive():
+                    print(f"fullshard: member {member} (pid {p.pid}) was fenced ({why}): killed",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    p.kill()
+                    p.join(10)
             lost_now = False
             for member, p in list(procs.items()):
-                if p.exitcode in (None, 0) or member in reported:
+                # a rank that stopped on a stop signal, checkpointed, is not lost
+                if p.exitcode in (None, 0, PREEMPTED_EXIT) or member in reported:
                     continue
                 reported.add(member)
                 lost_now = True
@@ -180,7 +195,7 @@ def launch_elastic(
                     "resume from the newest complete checkpoint with --resume latest"
                 )
             if all(p.exitcode is not None for p in procs.values()):
-                if all(p.exitcode == 0 for p in newest_members()):
-                    return 0
+                if all(p.exitcode in (0, PREEMPTED_EXIT) for p in newest_members()):
+                    return PREEMPTED_EXIT if read_marker(marker) is not None else 0
                 print("fullshard: every rank exited, some with an error", file=sys.stderr)
                 return 1

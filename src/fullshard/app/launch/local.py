@@ -40,7 +40,14 @@ from torch.distributed.rendezvous import rendezvous
 from fullshard.app.config import BACKENDS, DEVICES
 from fullshard.app.dims import ParallelDims, under_torchrun
 from fullshard.app.errors import ERROR_MARKER_ENV, VALIDATED_ENV, ConfigError, read_error
-from fullshard.app.launch.preempt import MARKER_ENV, PREEMPTED_EXIT, AgentSignals, read_marker
+from fullshard.app.launch.preempt import (
+    MARKER_ENV,
+    PREEMPTED_EXIT,
+    AgentSignals,
+    default_stop_signals,
+    helpers_ignore_stop_signals,
+    read_marker,
+)
 from fullshard.comm.device import cuda_usable
 
 __all__ = [
@@ -56,6 +63,7 @@ __all__ = [
     "rank_session",
     "resolve_backend",
     "run_rank",
+    "start_helpers",
     "under_torchrun",
 ]
 
@@ -107,7 +115,7 @@ def _torchrun_signal_flags() -> tuple[list[str], int | None]:
 
     if "--signals-to-handle" not in get_args_parser()._option_string_actions:
         return [], signal.SIGTERM
-    return ["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT"], None
+    return ["--signals-to-handle=SIGHUP,SIGQUIT"], None
 
 
 @contextlib.contextmanager
@@ -206,6 +214,7 @@ def run_rank(env: dict[str, str], module: str, argv: list[str]) -> None:
     exception ends the rank with its traceback on stderr and status 1, as the interpreter does
     (torch's wrapper would only write it to an error file).
     """
+    default_stop_signals()  # the server ignores them (NOTE [Helpers ignore stop signals])
     merged = {**{k: v for k, v in os.environ.items() if k not in env}, **env}
     os.environ.clear()
     os.environ.update(merged)
@@ -233,8 +242,6 @@ def run_rank(env: dict[str, str], module: str, argv: list[str]) -> None:
 def _run_agent(args: argparse.Namespace, env: dict[str, str], module: str, argv: list[str]) -> None:
     """What ``torch.distributed.run.run`` does for ``--standalone``, with :func:`run_rank` as the
     workers' entry point and a forkserver to start them."""
-    import multiprocessing
-
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args
 
@@ -243,9 +250,23 @@ def _run_agent(args: argparse.Namespace, env: dict[str, str], module: str, argv:
     args.rdzv_id = str(uuid.uuid4())
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
-    # no effect once this process's forkserver runs (a second launch reuses it)
-    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    start_helpers(RANK_PRELOAD)
     elastic_launch(config=config, entrypoint=run_rank)(env, module, list(argv))
+
+
+def start_helpers(preload: list[str] | None) -> None:
+    """Start multiprocessing's resource tracker (and, with ``preload``, the forkserver that
+    imports it) now, with the stop signals ignored (NOTE [Helpers ignore stop signals]); no
+    effect on ones already running (a second launch in one process reuses them)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+    import multiprocessing.resource_tracker
+
+    with helpers_ignore_stop_signals():
+        multiprocessing.resource_tracker.ensure_running()
+        if preload is not None:
+            multiprocessing.set_forkserver_preload(preload)
+            multiprocessing.forkserver.ensure_running()
 
 
 def launch_local(
@@ -307,6 +328,7 @@ def launch_local(
         try:
             with _environ(env), _agent_logs_filtered(error), signals:
                 if fresh_interpreters:
+                    start_helpers(None)
                     run(args)
                 else:
                     _run_agent(args, env, module, argv)

@@ -21,6 +21,10 @@ SIGTERM and SIGUSR1 like this:
   ``SignalException``, so the agent passes it to the ranks and waits for them, and later
   signals are dropped (see :class:`AgentSignals`).
 
+The launch's helper processes ignore the stop signals (NOTE [Helpers ignore stop signals]), so a
+signal to the whole process group (a terminal's Ctrl-C, ``timeout``, a scheduler that signals
+every task) ends the same way as one to the launcher.
+
 torchrun knows no exit statuses: a rank's 75 is a failure to it. A signal at the agent (what
 SLURM and Kubernetes send) makes it stop the workers and exit without a restart; a signal at
 one rank only, with ``--max-restarts`` left, makes it restart the group, which resumes from the
@@ -30,10 +34,12 @@ attempt starts clean and there is no restart loop).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
@@ -45,8 +51,11 @@ __all__ = [
     "PREEMPTED_EXIT",
     "SIGNALS",
     "AgentSignals",
+    "ForwardSignals",
     "StopSignals",
     "clear_marker",
+    "default_stop_signals",
+    "helpers_ignore_stop_signals",
     "read_marker",
     "signal_name",
     "write_marker",
@@ -57,8 +66,9 @@ __all__ = [
 PREEMPTED_EXIT = 75
 
 # SIGTERM: what SLURM, Kubernetes and torchrun's agent send before SIGKILL. SIGUSR1: the usual
-# advance warning (``#SBATCH --signal=USR1@120``). SIGINT stays a plain interrupt (Ctrl-C).
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# advance warning (``#SBATCH --signal=USR1@120``). SIGINT: Ctrl-C at a terminal reaches the whole
+# foreground process group, as a scheduler's signal to every task does.
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 # Set by ``fullshard train --nproc N`` for its ranks: a file that rank 0 writes once the
 # preemption checkpoint is committed, so the launcher can tell "preempted" from "failed"
@@ -192,6 +202,50 @@ class AgentSignals(_Signals):
             previous = self._alarm.pop()
             signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
         super().__exit__(exc_type, exc, tb)
+
+
+class ForwardSignals(_Signals):
+    """A launcher's handlers while it runs ranks itself (``fullshard train --elastic``): the
+    first stop signal is passed to the ranks (``forward(signum)``), later ones are recorded and
+    dropped, as :class:`AgentSignals` does for torchrun's agent."""
+
+    def __init__(self, forward: Any) -> None:
+        super().__init__()
+        self.forward = forward
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        first = not self.received
+        super()._handle(signum, frame)
+        if first:
+            self.forward(signum)
+
+
+@contextlib.contextmanager
+def helpers_ignore_stop_signals() -> Iterator[None]:
+    """NOTE [Helpers ignore stop signals]: a scheduler (``timeout``, a terminal's Ctrl-C, SLURM's
+    ``--signal``) signals the launch's whole process group, helper processes included:
+    multiprocessing's forkserver and resource tracker, which die of SIGTERM or SIGUSR1 (the
+    tracker then floods the output with tracebacks) and take the ranks' exit statuses with them.
+    Inside this block they are started with the stop signals ignored (a disposition inherited
+    across ``exec``); a rank forked from the server puts the defaults back first thing
+    (:func:`default_stop_signals`) and installs its own handlers when it trains. Main thread
+    only, as ``signal.signal``; elsewhere the block does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def default_stop_signals() -> None:
+    """The interpreter's own handling of the stop signals (in a rank forked from a server that
+    ignores them: :func:`helpers_ignore_stop_signals`)."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
 def write_marker(step: int, checkpoint: str | None, by: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import os
 import sys
@@ -171,11 +172,16 @@ class ElasticTrainer(Trainer):
     def restore(self, newest_checkpoint: Callable[[], str | None]) -> int:
         """Load the newest boundary the participants hold into the train state; its step."""
         loop: dict[str, Any] = {}
+        s = self.state
         try:
-            step = self.mgr.restore(self.state.model, self.state.optimizer, loop)
+            step = self.mgr.restore(s.model, s.optimizer, loop)
         except Lost as exc:
             _give_up(self.mgr, exc, newest_checkpoint)
-        self.state.apply(LoopState(**loop))
+        s.apply(LoopState(**loop))
+        # its copy goes to the ring neighbour at once: another loss before the next boundary
+        # would otherwise find the restored state nowhere
+        self.mgr.snapshot(step, s.model, s.optimizer, s.loop_state(gather=False).to_dict(),
+                          restored=True)  # fmt: skip
         return step
 
     def before_step(self, step: int) -> None:
@@ -195,22 +201,36 @@ class ElasticTrainer(Trainer):
         except (ConfigError, NonFiniteError):
             raise  # not a lost rank: bad input, or --on-nonfinite stop
         except Exception as exc:
+            if device_failed(exc):  # sticky: every later CUDA call of this process fails
+                print(f"fullshard: rank {self.rank}'s device failed ({_first_line(exc)}); this "
+                      "process ends, and is replaced", file=sys.stderr, flush=True)  # fmt: skip
+                raise SystemExit(1) from None
+            _drop_frames(exc)  # the failed step's frames hold its activations
             return self.recover(exc) + 1
 
     def recover(self, error: Exception) -> int:
         """After ``error`` in a step: the new membership, this trainer rebuilt for it and the
         newest boundary restored; that boundary's step. A loss during recovery starts it again
-        with the next generation; a loss that cannot be recovered ends the job."""
-        newest = functools.partial(self.ckpt.resolve, "latest")
-        while True:
+        with the next generation (at most RECOVERY_ATTEMPTS in a row); a loss that cannot be
+        recovered ends the job. The old generation's model, optimizer and steps are let go
+        before the new ones are built, which on a GPU would otherwise sit beside them."""
+        newest = functools.partial(latest_checkpoint, self.folder)
+        for attempt in range(1, RECOVERY_ATTEMPTS + 1):
             try:
                 m = self.mgr.recover(error)
+                self._release()
                 self.build(m.rank, m.world)
                 done = self.restore(newest)
                 break
             except Lost as exc:
                 _give_up(self.mgr, exc, newest)
             except Exception as again:  # another loss while recovering: the next generation
+                if device_failed(again) or attempt == RECOVERY_ATTEMPTS:
+                    why = (
+                        f"{attempt} recoveries in a row failed, the last with {_first_line(again)}"
+                    )
+                    _give_up(self.mgr, Lost(why), newest)
+                _drop_frames(again)
                 error = again
         self.ckpt = TrainCheckpoints(
             self.folder, self.state, keep=self.cfg.keep, async_save=self.cfg.async_save
@@ -228,6 +248,12 @@ class ElasticTrainer(Trainer):
         if self.rank == 0:
             print(f"elastic: {self.mgr.changes[-1]}", flush=True)
         return done
+
+    def _release(self) -> None:
+        """Let the old generation's train state and step go (recovery builds new ones)."""
+        for name in ("state", "batches", "decider", "ckpt", "plan"):
+            self.__dict__.pop(name, None)
+        gc.collect()
 
     def summary(self, wall: float) -> dict[str, Any]:
         """Besides the run's: one entry per membership change, and who is in the last one."""
@@ -249,6 +275,31 @@ def train_elastic(cfg: TrainConfig, dims: ParallelDims) -> dict[str, Any]:
     with elastic_session(cfg, dims) as (info, mgr), device_checks():
         data = rank_data(cfg, dims_at(dims, info.world_size), tokenizer, tokens, info.rank)
         return ElasticTrainer(cfg, dims, info, data, mgr).train()
+
+
+RECOVERY_ATTEMPTS = 4  # recoveries in a row (each a new generation) before the job gives up
+
+
+def device_failed(error: BaseException) -> bool:
+    """Whether ``error`` is a CUDA error that stays (an illegal access, a device-side assert,
+    ECC): every later CUDA call of the process fails, so it cannot recover in place; a new
+    process (its replacement) can."""
+    text = str(error)
+    return type(error).__name__ == "AcceleratorError" or "CUDA error" in text
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+
+
+def _drop_frames(error: BaseException | None) -> None:
+    """Forget ``error``'s traceback frames (and its causes'), which hold a failed step's
+    locals (activations, gathered parameters) alive."""
+    seen = 0
+    while error is not None and seen < 8:
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+        seen += 1
 
 
 def _give_up(mgr: Manager, lost: Lost, newest_checkpoint: Callable[[], str | None]) -> NoReturn:

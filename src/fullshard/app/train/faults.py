@@ -5,7 +5,10 @@
 - ``kill``: the process SIGKILLs itself (as if killed, or out of memory);
 - ``node``: the process SIGKILLs its launcher's agent, the agent's other workers and itself, at
   once (its node lost; for runs under torchrun, one agent per node);
-- ``hang``: the process stops in a sleep longer than any timeout (a stuck rank);
+- ``hang``: the process stops in a sleep longer than any timeout (a stuck rank; its threads,
+  the heartbeat among them, go on);
+- ``cudaerror``: the step raises the error a sticky CUDA fault gives (an illegal memory access:
+  every later CUDA call of the process would fail too);
 - ``hold``: the process waits until new processes that can be admitted ask to join the job
   (``--elastic``; not when it runs at its starting world already; at most half the process
   group's timeout), so that a drill's restarted node joins before the run ends;
@@ -36,7 +39,7 @@ from fullshard.policies import FullshardError
 
 __all__ = ["Fault", "Faults", "NonFiniteError", "agree_step", "fault_from_env"]
 
-KINDS = ("kill", "node", "hang", "hold", "nan", "signal")
+KINDS = ("kill", "node", "hang", "hold", "nan", "signal", "cudaerror")
 
 
 class NonFiniteError(FullshardError):
@@ -77,6 +80,9 @@ class Fault:
         if self.kind == "hang":
             print(f"[fault] rank {rank} hangs at step {step}", flush=True)
             time.sleep(10**6)
+        if self.kind == "cudaerror":
+            print(f"[fault] rank {rank}'s device fails at step {step}", flush=True)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (a drill)")
         return self.kind == "nan"
 
     def at_preemption_save(self, rank: int) -> None:

@@ -1,0 +1,167 @@
+"""A member's watcher thread on the job's store (layer 9): its heartbeat, its training loop's
+progress, and what the others did, seen without polling every key (NOTE [Generations]).
+
+NOTE [Fencing]
+A rank can be lost while its process lives: hung (in a stuck collective, a stalled data loader,
+a GPU fault) or frozen (a stopped container). Its peers' collectives with it outlive their
+bound and fail; they check in for the next generation, and the one that decides it finds the
+rank neither checked in nor dead. It is then *fenced*, lost though alive: when its heartbeat
+has stopped (frozen), or when it still beats but its training loop's step has not moved since
+the others checked in (hung). A fenced member may never take part again: the decision leaves
+it out, its launcher (fullshard's) kills it and starts a replacement, and its own watcher ends
+its process when it sees itself fenced, which also ends a zombie that wakes later (a frozen
+process continued); a fenced member that asks to join is refused.
+
+Detection does not wait for a collective's bound when the store says a rank is gone: each
+member's watcher watches its ring neighbour's heartbeat and reports it as suspect when it stops,
+and sees the launcher's exit reports; either makes the membership "move on", so this rank's
+waits give up (NOTE [Interrupts] in ``comm/desync.py``) and it checks in at once (on NCCL the
+watcher also aborts the communicators: a kernel waiting for a dead peer ends now, not at the
+watchdog's timeout).
+
+A member's store traffic is a few operations a second whatever the world size: the heartbeat,
+its neighbour's, and one counter (``news``) that every noteworthy write raises (a generation, a
+check-in, a join, an exit, a suspect, a fence); the details are read only when it moves.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from fullshard.elastic.membership import JobStore
+
+__all__ = ["DEAD_S", "HEARTBEAT_S", "POLL_S", "Watcher"]
+
+HEARTBEAT_S = 0.2  # a member's watcher raises its heartbeat this often
+DEAD_S = 3.0  # a heartbeat unchanged this long: the member is dead (or frozen)
+POLL_S = 0.05  # how often a watcher reads the news counter
+
+
+def _end_fenced(member: int, why: str) -> None:
+    """The default for a fenced member: say so, and end the process at once (its main thread
+    may be stuck where no exception reaches it)."""
+    print(f"fullshard: member {member} was fenced ({why}); this process ends", file=sys.stderr,
+          flush=True)  # fmt: skip
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Watcher:
+    """A member's thread on the job's store (NOTE [Generations], NOTE [Fencing]).
+
+    It raises the member's heartbeat, publishes ``progress()`` (the training loop's step) when it
+    moves, watches ``neighbour()``'s heartbeat (a member id of the current generation, or
+    ``None``), and follows the news: the newest generation written, the newest being recovered
+    to, the join requests, the members exited or suspected, and whether this member was fenced
+    (``on_fenced``). ``on_change`` is called (here) once per generation the membership moves on
+    from (given that generation). ``store``: a store client of its own (default: a new connection to ``host:port``; the
+    main thread's may be blocked in a call)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        member: int,
+        current: Callable[[], int],
+        on_change: Callable[[int], None] | None = None,
+        *,
+        progress: Callable[[], int] | None = None,
+        neighbour: Callable[[], int | None] | None = None,
+        members: Callable[[], list[int]] | None = None,
+        on_fenced: Callable[[int, str], None] = _end_fenced,
+        store: dist.Store | None = None,
+    ) -> None:
+        self.member, self.current, self.on_change = member, current, on_change
+        self.progress = progress or (lambda: -1)
+        self.neighbour = neighbour or (lambda: None)
+        self.members = members or (lambda: [])
+        self.on_fenced = on_fenced
+        self._told = -1  # the last generation on_change was called for
+        self.newest = -1  # the newest generation seen written
+        self.recovering_to = -1  # the newest generation some rank has checked in for
+        self.joins = 0  # join requests seen
+        self.gone: set[int] = set()  # members reported exited or suspected
+        self._client = (host, port)
+        self._given = store
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fullshard-elastic", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # a process that leaves without close()
+
+    def _run(self) -> None:
+        host, port = self._client
+        store = self._given or dist.TCPStore(host, port, is_master=False, wait_for_workers=False)
+        jobs = JobStore(store)
+        last_beat, news, published = 0.0, -1, None
+        watched: tuple[int | None, int, float] = (None, -1, 0.0)  # (member, its beat, since)
+        while not self._stop.is_set():
+            try:
+                now = time.monotonic()
+                g = self.current()
+                if now - last_beat >= HEARTBEAT_S:
+                    jobs.beat(self.member)
+                    last_beat = now
+                    watched = self._watch_neighbour(jobs, watched, now)
+                step = self.progress()
+                if step != published:
+                    jobs.set_progress(self.member, step)
+                    published = step
+                seen = jobs.news()
+                if seen != news:
+                    news = seen
+                    self._read_news(jobs, g)
+                if self.on_change is not None and self.changed(g) and self._told < g:
+                    self._told = g
+                    self.on_change(g)
+            except Exception:  # the store is gone (its host was lost): the main thread's own
+                return  # calls fail with the reason
+            self._stop.wait(POLL_S)
+
+    def _read_news(self, jobs: JobStore, g: int) -> None:
+        self.newest = max(self.newest, jobs.latest())
+        if jobs.recovering(g + 1):
+            self.recovering_to = max(self.recovering_to, g + 1)
+        self.joins = jobs.join_count()
+        self.gone = set(jobs.exits()) | jobs.suspects()
+        why = jobs.why_fenced(self.member)
+        if why is not None:
+            self.on_fenced(self.member, why)
+
+    def _watch_neighbour(
+        self, jobs: JobStore, watched: tuple[int | None, int, float], now: float
+    ) -> tuple[int | None, int, float]:
+        """One look at the ring neighbour's heartbeat (one store read): reported as suspect
+        once it has not moved for DEAD_S (unless it announced that it leaves)."""
+        nb = self.neighbour()
+        if nb is None or nb == self.member:
+            return (None, -1, now)
+        beat = jobs.beats([nb])[nb]
+        member, last, since = watched
+        if member != nb or beat != last:
+            return (nb, beat, now)
+        if now - since > DEAD_S and nb not in self.gone and not jobs.is_leaving(nb):
+            jobs.suspect(nb, self.member)
+            self.gone.add(nb)
+        return watched
+
+    def changed(self, generation: int) -> bool:
+        """Whether the membership moved on from ``generation``: a later one is written or being
+        decided, or one of its members was reported exited or suspected."""
+        if self.newest > generation or self.recovering_to > generation:
+            return True
+        return any(m in self.gone for m in self.members())
+
+    def stop(self) -> None:
+        """End the thread and wait for it: a daemon thread still inside a store call when the
+        interpreter exits is ended in C++ code, which aborts the process ("terminate called
+        without an active exception")."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)

@@ -1,0 +1,152 @@
+"""The membership protocol of ``fullshard.elastic`` with members simulated as threads on one
+``TCPStore`` (no model, no process group): one decider per generation and its take-over,
+NOTE [Fencing] (a hung member fenced, a zombie refused), a boundary before the first update
+recovered from any survivor, the watcher's news, suspects and self-fencing, and reused
+boundary buffers. Waits are shortened (monkeypatched), never raced against: each test waits
+for the outcome, bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fullshard.elastic import settle, watcher
+from fullshard.elastic.membership import JobStore
+from fullshard.elastic.pieces import Copies, HostCopy, choose_boundary, pieces_of
+from fullshard.elastic.settle import Settle
+
+pytestmark = pytest.mark.fast
+
+OLD = [0, 1, 2, 3]
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[dist.TCPStore]:
+    """A job's store, generation 0 written, the protocol's waits shortened."""
+    monkeypatch.setattr(settle, "DEAD_S", 0.3)
+    monkeypatch.setattr(settle, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(settle, "fence_after", lambda timeout_s: 0.6)
+    monkeypatch.setattr(settle, "REPLACEMENT_WAIT_S", 0.0)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    JobStore(master).write_generation(0, {"members": OLD})
+    yield master
+
+
+def _client(master: dist.TCPStore) -> JobStore:
+    return JobStore(dist.TCPStore("127.0.0.1", master.port, is_master=False))
+
+
+def _settle(master: dist.TCPStore, member: int, out: dict[int, Any]) -> threading.Thread:
+    def run() -> None:
+        s = Settle(_client(master), member, 1, OLD, 30.0, lambda w: w >= 1, lambda: None)
+        held = {"own": {}, "copy": {}, "layouts": {}}
+        try:
+            out[member] = s.run({"held": held, "error": "e", "failed_at": None}, "e")
+        except Exception as exc:  # (reported by the test)
+            out[member] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _beating(master: dist.TCPStore, member: int, stop: threading.Event) -> threading.Thread:
+    """A member whose heartbeat goes on (and its step stays at 5): hung, not dead."""
+
+    def run() -> None:
+        jobs = _client(master)
+        jobs.set_progress(member, 5)
+        while not stop.is_set():
+            jobs.beat(member)
+            time.sleep(0.02)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_hung_member_is_fenced_and_may_never_come_back(store: dist.TCPStore) -> None:
+    stop = threading.Event()
+    _beating(store, 3, stop)
+    out: dict[int, Any] = {}
+    for t in [_settle(store, m, out) for m in (0, 1, 2)]:
+        t.join(20)
+    stop.set()
+    records = [out[m] for m in (0, 1, 2)]
+    assert all(r == records[0] for r in records), records  # one decision, read by all
+    record = records[0]
+    assert (record["members"], record["lost"], record["fenced"]) == ([0, 1, 2], [3], [3])
+    jobs = JobStore(store)
+    assert "hung" in jobs.fenced()[3]
+    jobs.ask_join(3, None)  # the zombie wakes and asks to join again: refused
+    jobs.ask_join(9, None)
+    assert [j.member for j in jobs.waiting([0, 1, 2], jobs.exits())] == [9]
+
+
+def test_a_suspected_member_is_fenced_at_once_and_a_dead_decider_is_replaced(
+    store: dist.TCPStore,
+) -> None:
+    jobs = JobStore(store)
+    jobs.suspect(2, by=1)  # its ring neighbour saw its heartbeat stop
+    assert jobs.decider(1, 0) == 0  # member 0 claims the deciding, then dies (no heartbeat)
+    out: dict[int, Any] = {}
+    for t in [_settle(store, m, out) for m in (1, 3)]:
+        t.join(20)
+    record = out[1]
+    assert record == out[3] and (record["members"], record["lost"]) == ([1, 3], [0, 2])
+    assert jobs.decider(1, 7) in (1, 3)  # taken over from the dead one
+    assert set(jobs.fenced()) == {0, 2}
+
+
+def test_a_boundary_before_the_first_update_is_everyones() -> None:
+    """Lost in the first step (its copy of boundary 0 never sent): any survivor's holds it."""
+    held = {p: {"own": {0: "0:*"}, "copy": {}} for p in (0, 1, 2)}
+    assert choose_boundary(held, {0: 4}) == (0, {"0:*": 0})
+
+
+def test_the_watcher_follows_the_news_suspects_its_neighbour_and_ends_when_fenced(
+    store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(watcher, "DEAD_S", 0.3)
+    monkeypatch.setattr(watcher, "HEARTBEAT_S", 0.05)
+    fenced: list[str] = []
+    w = watcher.Watcher(
+        "127.0.0.1", store.port, 1, lambda: 0, members=lambda: OLD, neighbour=lambda: 2,
+        progress=lambda: 4, on_fenced=lambda m, why: fenced.append(why),
+    )  # fmt: skip
+    jobs = JobStore(store)
+    try:
+        deadline = time.monotonic() + 10
+        while not jobs.suspects() and time.monotonic() < deadline:
+            time.sleep(0.02)  # member 2 never beats: its neighbour (1) reports it
+        assert jobs.suspects() == {2}
+        while not w.changed(0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.changed(0) and jobs.progress([1]) == {1: 4}  # its step, published
+        jobs.fence(1, "a drill")
+        while not fenced and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fenced == ["a drill"]
+    finally:
+        w.stop()
+
+
+def test_a_dropped_boundary_buffer_is_filled_again() -> None:
+    copies = Copies()
+    model = torch.nn.Linear(4, 4)
+    flats = []
+    for step in range(4):
+        spare = copies.spare()
+        pieces, _, flat = pieces_of(model.state_dict(), {}, {}, torch.device("cpu"), spare=spare)
+        flats.append(flat)
+        copies.add_own(step, HostCopy(0, "0:0", pieces, None, flat), 1)
+        copies.take_unsent()  # (sent)
+    # two buffers in turn: boundary 2 fills boundary 0's, 3 fills 1's
+    assert flats[2] is flats[0] and flats[3] is flats[1] and flats[1] is not flats[0]
+    assert sorted(copies.own) == [2, 3]
