@@ -38,7 +38,14 @@ from fullshard.engine.param import ShardedParam, local_of
 from fullshard.engine.placement import ShardPlacementFn, shard_dims
 from fullshard.engine.state_dict_hooks import install_state_dict_hooks
 from fullshard.engine.unit import CommUnit
-from fullshard.policies import FullshardError, MixedPrecisionPolicy, OffloadPolicy
+from fullshard.policies import (
+    CPUOffloadPolicy,
+    FullshardError,
+    FullshardNotImplementedError,
+    FullshardValueError,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 
 
 def _reshard_arg(value: bool | int | None, info: MeshInfo, unit: str) -> bool | int | None:
@@ -47,12 +54,12 @@ def _reshard_arg(value: bool | int | None, info: MeshInfo, unit: str) -> bool | 
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
-        raise FullshardError(
+        raise FullshardValueError(
             f"reshard_after_forward for {unit} must be a bool, None or an int, not {value!r}"
         )
     n = info.world_size
     if value < 1 or value > n or n % value:
-        raise FullshardError(
+        raise FullshardValueError(
             f"reshard_after_forward={value} for {unit} must divide the shard group size {n} "
             f"(rank {info.rank}): pass one of {[d for d in range(1, n + 1) if n % d == 0]}, "
             "e.g. the number of GPUs per node, or a bool."
@@ -73,6 +80,7 @@ def fully_shard(
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     shard_placement_fn: ShardPlacementFn | None = None,
+    dp_mesh_dims: Any = None,
 ) -> Any:
     """Shard ``module``'s parameters over ``mesh`` and gather them around its forward/backward.
 
@@ -98,6 +106,8 @@ def fully_shard(
             on dim ``k`` instead of 0 (``None``: dim 0). Dims other than 0 must divide by the
             shard group size; tensor-parallel and all-gather-extension parameters take dim 0.
             The unit still moves in one all-gather and one reduce-scatter.
+        dp_mesh_dims: FSDP2's ``DataParallelMeshDims`` (the data-parallel dims of a full SPMD
+            mesh whose parameters are DTensors on it): not supported yet; ``None`` only.
 
     Returns:
         ``module`` (the list, for a list), changed in place.
@@ -105,6 +115,15 @@ def fully_shard(
     modules = list(module) if isinstance(module, list) else [module]
     check_modules(modules)
     unit_name = "unit " + "+".join(type(m).__name__ for m in modules)
+    if dp_mesh_dims is not None:
+        raise FullshardNotImplementedError(
+            f"fully_shard(..., dp_mesh_dims={dp_mesh_dims!r}) for {unit_name}: fullshard does "
+            "not shard parameters that are DTensors on a full SPMD mesh yet. Pass the "
+            "data-parallel submesh instead, fully_shard(module, mesh=mesh['dp']) (a 2-D "
+            "mesh[('dp_replicate', 'dp_shard')] for HSDP), with tensor-parallel parameters on "
+            "mesh['tp'] (torchtitan: leave its SPMD mode off)."
+        )
+    mp_policy, offload_policy = _our_policies(mp_policy, offload_policy)
     ignored = list(ignored_params or ())
     check_ignored(modules, ignored, unit_name)
     found, nested = collect(modules, ignored)
@@ -166,6 +185,33 @@ def fully_shard(
         m.__class__ = fsdp_class(type(m))  # type: ignore[arg-type]
     return module
 
+
+def _our_policies(mp: Any, offload: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy | None]:
+    """torch's own ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy`` objects as fullshard's: a
+    framework may have built them from ``torch.distributed.fsdp`` before ``fullshard.install()``
+    routed those names here (an unrecognised offload policy would otherwise be ignored)."""
+    if not isinstance(mp, MixedPrecisionPolicy):
+        mp = MixedPrecisionPolicy(
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            output_dtype=mp.output_dtype,
+            cast_forward_inputs=mp.cast_forward_inputs,
+        )
+    if offload is not None and not isinstance(offload, OffloadPolicy):
+        if hasattr(offload, "pin_memory"):  # torch's CPUOffloadPolicy
+            offload = CPUOffloadPolicy(pin_memory=offload.pin_memory)
+        else:  # torch's OffloadPolicy(): no offloading
+            offload = OffloadPolicy()
+    return mp, offload
+
+
+def _state_of(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)`` (FSDP2's accessor): the module's fullshard state (its unit,
+    hooks and root), or None for a module ``fully_shard`` was not called on."""
+    return getattr(module, "_fullshard_state", None)
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 __all__ = [
     "FSDPModule",

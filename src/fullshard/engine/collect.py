@@ -32,7 +32,11 @@ from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.extension import extension_problem, is_tensor_subclass
 from fullshard.engine.fsdp_module import FSDPModule
 from fullshard.engine.param import TPSpec, local_of
-from fullshard.policies import FullshardError
+from fullshard.policies import (
+    FullshardAssertionError,
+    FullshardError,
+    FullshardValueError,
+)
 
 if TYPE_CHECKING:
     from fullshard.engine.hooks import FSDPState
@@ -130,7 +134,7 @@ def check_tensor_parallel(
             continue
         where = f"parameter '{f.fqns[0]}' of {unit_name} (rank {info.rank})"
         if spec.mesh.device_type != info.device.type:
-            raise FullshardError(
+            raise FullshardValueError(
                 f"{where} is a DTensor on a '{spec.mesh.device_type}' mesh, but the unit shards "
                 f"over a '{info.device.type}' mesh; build both from one init_device_mesh, e.g. "
                 "mesh['dp'] and mesh['tp'] of init_device_mesh(device, (dp, tp), "
@@ -164,8 +168,14 @@ def check_modules(modules: list[nn.Module]) -> None:
     if not modules:
         raise FullshardError("fully_shard got an empty list of modules.")
     for m in modules:
+        if type(m).forward is nn.Module.forward:  # ModuleList, ModuleDict: no forward to hook
+            raise FullshardValueError(
+                f"fully_shard got a {type(m).__name__}, which has no forward of its own, so its "
+                "parameters would never be gathered; pass the modules it holds (one call each, "
+                "or as one list: fully_shard(list(container))), or its parent."
+            )
         if isinstance(m, FSDPModule):
-            raise FullshardError(
+            raise FullshardAssertionError(
                 f"module {type(m).__name__} was already passed to fully_shard; wrap each module once."
             )
     for i, a in enumerate(modules):
@@ -230,7 +240,7 @@ def check_params(
                 )
         check_subclass(p, fqn, unit_name)  # first: a lazy parameter has no dim()
         if p.dim() == 0:
-            raise FullshardError(
+            raise FullshardValueError(
                 f"parameter '{fqn}' of {unit_name} is 0-dim; fullshard shards along dim 0. "
                 "Make it shape (1,) (e.g. nn.Parameter(t.reshape(1))) before fully_shard."
             )

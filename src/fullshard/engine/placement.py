@@ -25,7 +25,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.extension import has_extension_hooks
 from fullshard.engine.param import local_of
-from fullshard.policies import FullshardError
+from fullshard.policies import (
+    FullshardAssertionError,
+    FullshardError,
+    FullshardNotImplementedError,
+)
 
 try:  # FSDP2's richer answer (torch >= 2.10); older torch has only Shard | None
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
@@ -81,7 +85,7 @@ def _dim_of(result: Any, param: torch.Tensor, where: str, info: MeshInfo) -> int
     ndim = param.dim()
     dim = placement.dim + ndim if placement.dim < 0 else placement.dim
     if not 0 <= dim < ndim:
-        raise FullshardError(
+        raise FullshardAssertionError(
             f"shard_placement_fn returned Shard({placement.dim}) for {where}, of shape "
             f"{tuple(param.shape)}, which has no dim {placement.dim}; return Shard(d) with "
             f"{-ndim} <= d < {ndim}, or None for Shard(0)."
@@ -130,7 +134,7 @@ def shard_dims(
             )
         size, world = local.shape[dim], info.world_size
         if dim and size % world:
-            raise FullshardError(
+            raise FullshardNotImplementedError(
                 f"shard_placement_fn returned Shard({dim}) for {where}, of shape "
                 f"{tuple(local.shape)}: dim {dim} has size {size}, not divisible by the shard "
                 f"group size {world}. Only dim 0 may be sharded unevenly (as in FSDP2); return "

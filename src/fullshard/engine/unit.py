@@ -27,6 +27,19 @@ group size (NOTE [Collective positions]). A disagreement raises on every rank, n
 parameters, instead of leaving ranks whose shards silently diverge; deciding from the sums
 instead would need the host to read them every unit, every step.
 
+NOTE [Freezing after fully_shard]
+Fine-tuning freezes parameters after sharding: ``p.requires_grad_(False)`` on the sharded
+parameter the optimizer and ``model.parameters()`` see. Autograd, though, computes with the
+gathered parameter, a different object. So at every forward each unit compares the sharded
+parameters' ``requires_grad`` with what it last saw (one attribute read per parameter, as FSDP2
+does at each unshard) and, on a change, sets it on the gathered parameter, puts the
+post-accumulate-grad hooks of NOTE [Post-backward events] on a newly trainable one, and rebuilds
+``trainable``: the reduce-scatter's layout, reduce dtype and presence bits then cover exactly
+the trainable parameters, and a frozen one gets no gradient, so the optimizer leaves it as it
+is. Unfreezing works the same way. Freezing takes effect at the next forward (a backward already
+recorded keeps its graph, as in plain PyTorch), and every rank must freeze the same parameters,
+as FSDP2 requires: the reduce-scatter's size follows them.
+
 NOTE [Accumulating without sync]
 With ``set_requires_gradient_sync(False)`` the unsharded gradients stay on the rank and the next
 backward adds to them. When they are computed in a narrower dtype than the reduce dtype (bf16
@@ -146,13 +159,7 @@ class CommUnit:
         self.groups = make_groups(
             params, originals, mesh, mp_policy, self.shard_device, self.pin_memory, name
         )
-        self.trainable = [p for p in params if p.requires_grad]
-        self.reduce_dtype = reduce_dtype_of(self.groups, mp_policy, name)
-        self.grad_layout = FlatLayout(
-            [p.shape for p in self.trainable],
-            mesh.world_size,
-            dims=[p.dim for p in self.trainable],
-        )
+        self._set_trainable()
         # reduce-scatter tags are exact in the reduce dtype up to a group size (desync.py)
         self.reduce_tags = mesh.world_size > 1 and tags_exact(self.reduce_dtype, mesh.world_size)
         self.requires_grad_sync = True
@@ -170,6 +177,31 @@ class CommUnit:
         by_param = {id(p): g for g in self.groups for p in g.params}
         for g in self.groups:
             g.load([t for p, t in zip(params, originals, strict=True) if by_param[id(p)] is g])
+
+    def _set_trainable(self) -> None:
+        """Which parameters reduce gradients, their reduce-scatter layout and dtype."""
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self.reduce_dtype = reduce_dtype_of(self.groups, self.mp_policy, self.name)
+        self.grad_layout = FlatLayout(
+            [p.shape for p in self.trainable],
+            self.mesh.world_size,
+            dims=[p.dim for p in self.trainable],
+        )
+
+    def sync_requires_grad(self) -> None:
+        """NOTE [Freezing after fully_shard]: at each forward, follow ``requires_grad_`` calls
+        made on the sharded parameters since the last one."""
+        changed = False
+        for p in self.params:
+            changed = p.sync_requires_grad() or changed
+        if not changed:
+            return
+        self.finish_reduce()  # a reduction in flight was packed in the old layout
+        self._set_trainable()
+        world = self.mesh.world_size
+        self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
+        kept = {id(p) for p in self.trainable}
+        self.accumulated = {k: v for k, v in self.accumulated.items() if k in kept}
 
     # -- the single-dtype view most callers want ------------------------------------------
     @property

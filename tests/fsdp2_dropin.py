@@ -1,0 +1,232 @@
+"""FSDP2 programs for what the rest of torch's FSDP2 tests and the frameworks that call
+``fully_shard`` exercise (issue 33): freezing and unfreezing after ``fully_shard``, loading into
+meta-initialised shards with ``assign=True``, structured activations and activation
+checkpointing under mixed precision, ``fully_shard.state``, FSDP2's error types.
+
+``dropin_program`` runs every case in one launch (as ``fsdp2_gaps.gaps_program``) under torch's
+``fully_shard`` or fullshard's, and returns per case the largest difference from one process in
+float64 (``diff``) and the named facts its test checks (each must be true).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from fsdp2_programs import Net, _ref_step, _setup, api_of, max_diff, shard
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from toy import DIM, batches, loss_of
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _freeze(model: nn.Module, frozen: bool) -> None:
+    for p in model.blocks[0].parameters():  # type: ignore[union-attr]
+        p.requires_grad_(not frozen)
+
+
+def _freeze_between_steps(rank: int, world: int, impl: str) -> dict:
+    """Freeze a block after fully_shard (the usual fine-tuning step), step, unfreeze, step,
+    freeze again, step: frozen weights stay bit for bit, the rest equals one process."""
+    ref, model = _setup()
+    shard(model, impl)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    data = batches(3, world)
+    unchanged, moved = [], []
+    for step, frozen in enumerate((True, False, True)):
+        for m in (model, ref):
+            _freeze(m, frozen)
+        before = {k: _full(v).clone() for k, v in model.named_parameters() if "blocks.0" in k}
+        loss_of(model, data[step][rank]).backward()
+        _ref_step(ref, data[step], world)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        after = {k: _full(v) for k, v in model.named_parameters() if "blocks.0" in k}
+        same = all(torch.equal(before[k], after[k]) for k in before)
+        (unchanged if frozen else moved).append(same)
+    diff = max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
+    return {
+        "diff": diff,
+        "frozen_bitwise_unchanged": all(unchanged),
+        "unfrozen_trained": not any(moved),
+    }
+
+
+class _Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Box:
+    x: torch.Tensor
+    scale: float
+
+
+class _Structured(nn.Module):
+    """Takes and returns a dataclass and a NamedTuple (test_structured_input_output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, box: _Box) -> _Pair:
+        y = self.lin(box.x) * box.scale
+        return _Pair(y, y.relu())
+
+
+def _structured_activations(rank: int, world: int, impl: str) -> dict:
+    """Mixed precision with dataclass / NamedTuple activations: inputs cast, outputs come back
+    in their own types, backward runs (bf16 compute, so compared with torch's, not exact)."""
+    api = api_of(impl)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Structured(), _Structured())
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = model[0], model[1]
+
+        def forward(self, box: _Box) -> torch.Tensor:
+            p = self.a(box)
+            q = self.b(_Box(p.a + p.b, 0.5))
+            return (q.a + q.b).float().square().mean()
+
+    root = Two()
+    mp = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    api.fully_shard(root.a, mp_policy=mp)
+    api.fully_shard(root.b, mp_policy=mp)
+    api.fully_shard(root, mp_policy=mp)
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        root(_Box(x, 2.0)).backward()
+    grads = all(p.grad is not None for p in root.parameters())
+    return {"diff": 0.0, "grads": grads}
+
+
+def _load_assign_into_meta(rank: int, world: int, impl: str) -> dict:
+    """accelerate's cpu_ram_efficient_loading: shard on meta, then load_state_dict(sd,
+    assign=True) of DTensors distributed from rank 0's full weights; trains as one process."""
+    ref, src = _setup()
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        model = Net()
+    shard(model, impl)
+    full = src.state_dict()
+    sd = {}
+    for k, meta_param in model.state_dict().items():
+        t = full[k].clone() if rank == 0 else torch.empty_like(full[k])
+        dist.broadcast(t, src=0)
+        sd[k] = distribute_tensor(t, meta_param.device_mesh, meta_param.placements)
+    model.load_state_dict(sd, assign=True)
+    on_cpu = all(not p.is_meta and p.device.type == "cpu" for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = batches(2, world)
+    for step in range(2):
+        loss_of(model, data[step][rank]).backward()
+        _ref_step(ref, data[step], world)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    diff = max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
+    return {"diff": diff, "on_cpu": on_cpu}
+
+
+def _checkpoint_under_mixed_precision(rank: int, world: int, impl: str) -> dict:
+    """Activation checkpointing around a unit under bf16: the recomputed forward casts its
+    inputs and its outputs as the first forward did (test_checkpoint_recompute_casts_*)."""
+    from torch.utils.checkpoint import checkpoint
+
+    api = api_of(impl)
+    out = {}
+    for cast in ("inputs", "outputs"):
+        torch.manual_seed(0)
+
+        class Outer(nn.Module):
+            def __init__(self, to_dtype: torch.dtype) -> None:
+                super().__init__()
+                self.lin = nn.Linear(DIM, DIM)
+                self.seen: list[torch.dtype] = []
+                self.to_dtype = to_dtype
+
+            def run_lin(self, x: torch.Tensor) -> torch.Tensor:
+                y = self.lin(x)
+                self.seen.append(y.dtype)
+                return y
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                # past the root's cast: the unit's own pre-forward must cast it, also recomputed
+                x = x.to(self.to_dtype)
+                y = checkpoint(self.run_lin, x, use_reentrant=False, early_stop=False)
+                return y.float().square().mean()
+
+        model = Outer(torch.float64 if cast == "inputs" else torch.bfloat16)
+        if cast == "inputs":
+            mp = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        else:
+            mp = api.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=False
+            )
+        api.fully_shard(model.lin, mp_policy=mp)
+        api.fully_shard(model, mp_policy=mp)
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
+        model(x).backward()
+        want = torch.bfloat16 if cast == "inputs" else torch.float32
+        out[f"recomputed_{cast}_cast"] = model.seen == [want, want] or str(model.seen)
+    return {"diff": 0.0, **out}
+
+
+def _error_types(rank: int, world: int, impl: str) -> dict:
+    """What FSDP2 refuses raises FSDP2's exception type (code that catches it works)."""
+    api = api_of(impl)
+    out = {}
+    try:  # a module class fully_shard cannot take
+        api.fully_shard(nn.ModuleList([nn.Linear(2, 2)]))
+        out["module_list_value_error"] = False
+    except ValueError:
+        out["module_list_value_error"] = True
+    try:
+        api.fully_shard(nn.Linear(2, 2), reshard_after_forward="yes")  # type: ignore[arg-type]
+        out["bad_reshard_value_error"] = False
+    except ValueError:
+        out["bad_reshard_value_error"] = True
+    return {"diff": 0.0, **out}
+
+
+def _state_accessor(rank: int, world: int, impl: str) -> dict:
+    """``fully_shard.state(module)`` returns the module's FSDP state object (not None)."""
+    api = api_of(impl)
+    lin = nn.Linear(DIM, DIM)
+    api.fully_shard(lin)
+    state = api.fully_shard.state(lin)
+    return {"diff": 0.0, "state": state is not None}
+
+
+CASES: dict[str, Callable[[int, int, str], dict]] = {
+    "freeze, unfreeze, freeze between steps after fully_shard": _freeze_between_steps,
+    "structured activations under mixed precision": _structured_activations,
+    "load_state_dict(assign=True) into meta shards": _load_assign_into_meta,
+    "activation checkpointing under mixed precision": _checkpoint_under_mixed_precision,
+    "FSDP2's error types": _error_types,
+    "fully_shard.state(module)": _state_accessor,
+}
+
+
+def dropin_program(rank: int, world: int, impl: str) -> dict[str, dict]:
+    out = {}
+    for name, case in CASES.items():
+        torch.set_default_dtype(torch.float64)
+        try:
+            out[name] = case(rank, world, impl)
+        except Exception as exc:  # one case failing must not hide the others
+            out[name] = {"diff": float("inf"), "raised": f"{type(exc).__name__}: {exc}"}
+    return out
