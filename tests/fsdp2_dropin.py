@@ -202,6 +202,23 @@ def _error_types(rank: int, world: int, impl: str) -> dict:
     return {"diff": 0.0, **out}
 
 
+def _ignored_set_for_the_whole_model(rank: int, world: int, impl: str) -> dict:
+    """One ignored_params set passed to every fully_shard call of a model (bottom up): each
+    call leaves alone the ignored parameters it holds (test_ddp_A_fsdp_B_ddp_C)."""
+    _, model = _setup()
+    ignored = {model.blocks[1].gate}
+    fs = api_of(impl).fully_shard
+    for b in model.blocks:
+        fs(b, ignored_params=ignored)
+    fs(model, ignored_params=ignored)
+    loss_of(model, batches(1, world)[0][rank]).backward()
+    return {
+        "diff": 0.0,
+        "ignored_left_alone": not isinstance(model.blocks[1].gate, DTensor),
+        "others_sharded": isinstance(model.blocks[1].fc1.weight, DTensor),
+    }
+
+
 def _state_accessor(rank: int, world: int, impl: str) -> dict:
     """``fully_shard.state(module)`` returns the module's FSDP state object (not None)."""
     api = api_of(impl)
@@ -218,6 +235,7 @@ CASES: dict[str, Callable[[int, int, str], dict]] = {
     "activation checkpointing under mixed precision": _checkpoint_under_mixed_precision,
     "FSDP2's error types": _error_types,
     "fully_shard.state(module)": _state_accessor,
+    "one ignored_params set for the whole model": _ignored_set_for_the_whole_model,
 }
 
 

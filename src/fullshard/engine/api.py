@@ -15,13 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fullshard.comm.mesh import MeshInfo, mesh_info
 from fullshard.engine.collect import (
-    check_ignored,
     check_modules,
     check_params,
     check_tensor_parallel,
     collect,
     original_uid,
+    owned_ignored,
     param_device,
+    register_with_torch,
 )
 from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, signature
 from fullshard.engine.cpu_rng import install_cpu_shard_rng
@@ -124,8 +125,7 @@ def fully_shard(
             "mesh['tp'] (torchtitan: leave its SPMD mode off)."
         )
     mp_policy, offload_policy = _our_policies(mp_policy, offload_policy)
-    ignored = list(ignored_params or ())
-    check_ignored(modules, ignored, unit_name)
+    ignored = owned_ignored(modules, ignored_params or ())
     found, nested = collect(modules, ignored)
     states = [cast(FSDPModule, m)._fullshard_state for m in nested]
     children = list({id(s): s for s in states}.values())  # a list unit's modules share one
@@ -183,6 +183,7 @@ def fully_shard(
     for m in modules:
         m._fullshard_state = state  # type: ignore[assignment]
         m.__class__ = fsdp_class(type(m))  # type: ignore[arg-type]
+        register_with_torch(m)
     return module
 
 
