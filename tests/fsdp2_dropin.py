@@ -219,6 +219,26 @@ def _ignored_set_for_the_whole_model(rank: int, world: int, impl: str) -> dict:
     }
 
 
+def _jvp_without_warmup(rank: int, world: int, impl: str) -> dict:
+    """A unit whose first forward runs inside ``torch.func.jvp``, reshard_after_forward=False,
+    bf16 (test_no_warmup_jvp_reshard_after_forward_false): its lazy init and gather run there."""
+    api = api_of(impl)
+    mp = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(8, 16, bias=False), nn.Linear(16, 12, bias=False)
+    for m in (enc, dec):
+        api.fully_shard(m, mp_policy=mp, reshard_after_forward=False)
+    x = torch.randn(8, dtype=torch.bfloat16)
+    e = enc(x)
+    primal = torch.randn(12, dtype=torch.bfloat16, requires_grad=True)
+    out, tangent_out = torch.func.jvp(lambda _: dec(e), (primal,), (torch.randn(12).bfloat16(),))
+    return {
+        "diff": 0.0,
+        "output": out.shape == (12,) and out.dtype == torch.bfloat16,
+        "tangent_zero": bool((tangent_out == 0).all()),
+    }
+
+
 def _state_accessor(rank: int, world: int, impl: str) -> dict:
     """``fully_shard.state(module)`` returns the module's FSDP state object (not None)."""
     api = api_of(impl)
@@ -235,6 +255,7 @@ CASES: dict[str, Callable[[int, int, str], dict]] = {
     "activation checkpointing under mixed precision": _checkpoint_under_mixed_precision,
     "FSDP2's error types": _error_types,
     "fully_shard.state(module)": _state_accessor,
+    "functorch jvp through a unit's first forward": _jvp_without_warmup,
     "one ignored_params set for the whole model": _ignored_set_for_the_whole_model,
 }
 

@@ -42,6 +42,7 @@ would be reduced before they exist (measured: the toy's loss off by 1e-2 at the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import weakref
@@ -175,16 +176,17 @@ class FSDPState:
             args, kwargs = self._cast_inputs(args, kwargs)
             # reentrant checkpointing runs the unit's backward on this recomputed graph
             return self._register_post_backward(args, kwargs)
-        self.lazy_init()
-        assert self.schedule is not None
-        if not self._to_run:  # the first module of the unit this forward
-            if self.is_root:
-                self.schedule.begin_forward(self.post_optim_event)
-                self.post_optim_event = None
-            # NOTE [Partial forwards of a list unit]
-            inside = self.schedule.in_forward
-            self._to_run = {id(m) for m in self.modules} if inside else {id(module)}
-            self.schedule.pre_forward(self.unit)
+        with _engine_only():
+            self.lazy_init()
+            assert self.schedule is not None
+            if not self._to_run:  # the first module of the unit this forward
+                if self.is_root:
+                    self.schedule.begin_forward(self.post_optim_event)
+                    self.post_optim_event = None
+                # NOTE [Partial forwards of a list unit]
+                inside = self.schedule.in_forward
+                self._to_run = {id(m) for m in self.modules} if inside else {id(module)}
+                self.schedule.pre_forward(self.unit)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
@@ -212,14 +214,15 @@ class FSDPState:
         self._to_run.discard(id(module))
         if self._to_run:
             return output  # other modules of this unit are still to run
-        if self.is_root:
-            for st in self.tree:  # NOTE [Partial forwards of a list unit]
-                if st._to_run:
-                    st._to_run.clear()
-                    st.finish_forward(grad)
-        self.finish_forward(grad)
-        if self.is_root:
-            self.schedule.end_forward(grad)
+        with _engine_only():
+            if self.is_root:
+                for st in self.tree:  # NOTE [Partial forwards of a list unit]
+                    if st._to_run:
+                        st._to_run.clear()
+                        st.finish_forward(grad)
+            self.finish_forward(grad)
+            if self.is_root:
+                self.schedule.end_forward(grad)
         return output
 
     def finish_forward(self, grad: bool) -> None:
@@ -292,6 +295,18 @@ class FSDPState:
             if node is not None:
                 nodes.append(node)
         return sum(1 for n in nodes if torch._C._will_engine_execute_node(n))
+
+
+def _engine_only() -> contextlib.AbstractContextManager[Any]:
+    """NOTE [Hooks under functorch transforms]: a forward run inside ``torch.func.jvp`` (or
+    vmap, grad) reaches the hooks with functorch's transforms active, and they would treat the
+    engine's own writes (the gather's copy-out, the desync tags, storage freed and refilled) as
+    mutations of captured tensors, which they refuse. Those writes are not part of the user's
+    function, so they run with the transforms off (as FSDP2 does); the user's tensors (input
+    and output casts, the autograd hooks on them) stay under the transforms."""
+    if torch._C._are_functorch_transforms_active():
+        return torch._C._DisableFuncTorch()
+    return contextlib.nullcontext()
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
