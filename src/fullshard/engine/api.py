@@ -105,7 +105,8 @@ def fully_shard(
             their gradients not reduced.
         shard_placement_fn: ``fn(param) -> Shard(k) | None`` (FSDP2's): shard that parameter
             on dim ``k`` instead of 0 (``None``: dim 0). Dims other than 0 must divide by the
-            shard group size; tensor-parallel and all-gather-extension parameters take dim 0.
+            shard group size (of the TP-local tensor for a tensor-parallel parameter);
+            all-gather-extension parameters take dim 0.
             The unit still moves in one all-gather and one reduce-scatter.
         dp_mesh_dims: FSDP2's ``DataParallelMeshDims`` (the data-parallel dims of a full SPMD
             mesh whose parameters are DTensors on it): not supported yet; ``None`` only.
@@ -142,7 +143,7 @@ def fully_shard(
             "them (nor by FSDP2): pass True or False."
         )
     names = [f.fqns[0] for f in found]
-    dims = shard_dims(shard_placement_fn, [f.param for f in found], names, info, unit_name, tp)
+    dims = shard_dims(shard_placement_fn, [f.param for f in found], names, info, unit_name)
     entries = [(f.fqns, f.param, f.refs) for f in found]
     check_same_model(unit_name, signature(entries, dims), info)
     # a tensor-parallel parameter is sharded by its local tensor (NOTE [Tensor parallel

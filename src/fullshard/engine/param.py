@@ -228,12 +228,12 @@ class ShardedParam:
             dp = (*dp[:-1], Shard(self.dim))
         if self.tp is None:
             return dp
-        split = 1
+        split = 1  # TP's shards of the dim the data-parallel ranks shard too
         for size, placement in zip(self.tp.mesh.shape, self.tp.placements, strict=True):
-            if isinstance(placement, Shard) and placement.dim == 0:
+            if isinstance(placement, Shard) and placement.dim == self.dim:
                 split *= size
         if split > 1:
-            dp = (*dp[:-1], _StridedShard(0, split_factor=split))
+            dp = (*dp[:-1], _StridedShard(self.dim, split_factor=split))
         return (*dp, *self.tp.placements)
 
     def shard_of(self, value: Any, key: str) -> torch.Tensor:

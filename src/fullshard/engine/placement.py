@@ -99,12 +99,11 @@ def shard_dims(
     names: Sequence[str],
     info: MeshInfo,
     unit_name: str,
-    tp: Sequence[object | None] = (),
 ) -> list[int]:
     """Each parameter's shard dim under ``fn`` (all 0 without one), after the checks above.
 
-    ``tp``: the parameters' tensor-parallel specs (None where not TP); those, and parameters
-    gathered through all-gather extension hooks, are sharded on dim 0 only.
+    A tensor-parallel parameter's dim is one of its TP-local tensor (NOTE [Tensor parallel
+    parameters]); parameters gathered through all-gather extension hooks take dim 0 only.
     """
     if fn is None:
         return [0] * len(params)
@@ -114,17 +113,10 @@ def shard_dims(
             f"not {type(fn).__name__}."
         )
     dims = []
-    specs = list(tp) or [None] * len(params)
-    for param, name, spec in zip(params, names, specs, strict=True):
+    for param, name in zip(params, names, strict=True):
         where = f"parameter '{name}' of {unit_name}"
         local = local_of(param)  # a TP parameter is sharded by its local tensor
         dim = _dim_of(fn(param), local, where, info)
-        if dim and spec is not None:
-            raise FullshardError(
-                f"shard_placement_fn returned Shard({dim}) for {where}, a tensor-parallel "
-                "DTensor; fullshard shards tensor-parallel parameters on dim 0 only. Return "
-                "Shard(0) (or None) for it."
-            )
         if dim and has_extension_hooks(local):
             raise FullshardError(
                 f"shard_placement_fn returned Shard({dim}) for {where}, a "
