@@ -5,7 +5,8 @@ A tiny Llama built locally (no download), 2 gloo ranks, a few AdamW steps:
 - accelerate's FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``), in fp32 and with
   ``cpu_ram_efficient_loading`` (rank 0 holds the weights; the other ranks start from other
   values and receive rank 0's through ``load_state_dict(..., assign=True)`` into meta shards);
-- transformers' ``Trainer`` with ``fsdp="full_shard"`` and ``fsdp_config={"fsdp_version": 2}``.
+- transformers' ``Trainer`` with ``fsdp="full_shard"`` and ``fsdp_config={"fsdp_version": 2}``;
+- then the README's recipes, ``examples/*.py`` as written (they call ``fullshard.install()``).
 Each returns the losses and the full final weights, which the test compares bit for bit.
 
 accelerate enables FSDP only on accelerators: on a CPU-only machine its state says MULTI_CPU.
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import runpy
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,10 +69,12 @@ def cpu_fsdp() -> Iterator[None]:
                 plugin.set_mixed_precision(self._mixed_precision)
 
     AcceleratorState.__init__ = init  # type: ignore[method-assign]
+    os.environ["ACCELERATE_USE_CPU"] = "true"  # what `accelerate launch --cpu` sets
     try:
         yield
     finally:
         AcceleratorState.__init__ = original  # type: ignore[method-assign]
+        os.environ.pop("ACCELERATE_USE_CPU", None)
 
 
 def _reset_accelerate() -> None:
@@ -191,4 +196,19 @@ def frameworks_program(rank: int, world: int) -> dict[str, dict[str, Any]]:
                 "accelerate cpu_ram_efficient_loading": accelerate_run(rank, True),
                 "trainer": trainer_run(rank),
             }
+    out["examples"] = {name: run_example(name) for name in EXAMPLES}  # last: they install
     return out
+
+
+EXAMPLES = ("accelerate_fsdp2.py", "trainer_fsdp2.py")
+
+
+def run_example(name: str) -> dict[str, Any]:
+    """The README's recipe, ``examples/<name>`` as written (its ``main()``), FSDP on CPU."""
+    _reset_accelerate()
+    path = Path(__file__).resolve().parent.parent / "examples" / name
+    with cpu_fsdp():
+        scope = runpy.run_path(str(path), run_name="example")
+        losses = scope["main"]()
+    _reset_accelerate()
+    return {"losses": [float(x) for x in losses]}

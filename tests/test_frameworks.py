@@ -6,6 +6,7 @@ FSDP2 and then under the swap, in the same processes, which also shows the swap 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import framework_programs as fp
@@ -34,3 +35,11 @@ def test_framework_under_install_equals_torch_bit_for_bit(case: str) -> None:
         assert theirs["weights"].keys() == ours["weights"].keys()
         for k, v in theirs["weights"].items():
             assert torch.equal(ours["weights"][k], v), (rank, case, k)
+
+
+@pytest.mark.parametrize("name", fp.EXAMPLES)
+def test_readme_recipe_runs_as_written(name: str) -> None:
+    # examples/<name> asserts itself that the framework's model is a fullshard FSDPModule
+    for r in _runs():
+        losses = r["examples"][name]["losses"]
+        assert losses and all(math.isfinite(x) for x in losses), losses
