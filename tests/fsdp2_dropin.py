@@ -10,6 +10,7 @@ float64 (``diff``) and the named facts its test checks (each must be true).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
@@ -239,6 +240,36 @@ def _jvp_without_warmup(rank: int, world: int, impl: str) -> dict:
     }
 
 
+def _non_contiguous_parameter(rank: int, world: int, impl: str) -> dict:
+    """A channels_last conv weight: FSDP2 refuses it (NotImplementedError); fullshard accepts
+    it (the shard is a contiguous copy of its rows, the values are the same) and trains it as
+    one process does. Each import as documented."""
+    api = api_of(impl)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 4, 3)
+    conv.weight = nn.Parameter(conv.weight.detach().to(memory_format=torch.channels_last))
+    ref = copy.deepcopy(conv)
+    try:
+        api.fully_shard(conv)
+    except NotImplementedError:
+        return {"diff": 0.0, "as_documented": impl == "torch"}
+    opt = torch.optim.AdamW(conv.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        xs = [torch.randn(2, 2, 6, 6, generator=g) for _ in range(world)]
+        conv(xs[rank]).square().mean().backward()
+        for x in xs:
+            ref(x).square().mean().backward()
+        for p in ref.parameters():
+            p.grad.div_(world)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    diff = max_diff(dict(conv.named_parameters()), dict(ref.named_parameters()))
+    return {"diff": diff, "as_documented": impl == "fullshard"}
+
+
 def _state_accessor(rank: int, world: int, impl: str) -> dict:
     """``fully_shard.state(module)`` returns the module's FSDP state object (not None)."""
     api = api_of(impl)
@@ -255,6 +286,7 @@ CASES: dict[str, Callable[[int, int, str], dict]] = {
     "activation checkpointing under mixed precision": _checkpoint_under_mixed_precision,
     "FSDP2's error types": _error_types,
     "fully_shard.state(module)": _state_accessor,
+    "a non-contiguous parameter: refused by FSDP2, trained by fullshard": _non_contiguous_parameter,
     "functorch jvp through a unit's first forward": _jvp_without_warmup,
     "one ignored_params set for the whole model": _ignored_set_for_the_whole_model,
 }
