@@ -187,8 +187,8 @@ def check_modules(modules: list[nn.Module]) -> None:
     if not modules:
         raise FullshardError("fully_shard got an empty list of modules.")
     for m in modules:
-        if type(m).forward is nn.Module.forward:  # ModuleList, ModuleDict: no forward to hook
-            raise FullshardValueError(
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise FullshardValueError(  # a container: nothing would ever run its hooks
                 f"fully_shard got a {type(m).__name__}, which has no forward of its own, so its "
                 "parameters would never be gathered; pass the modules it holds (one call each, "
                 "or as one list: fully_shard(list(container))), or its parent."
