@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from fsdp2_programs import Net, _ref_step, _setup, api_of, max_diff, shard
+from fsdp2_gaps import run_all
+from fsdp2_programs import Net, _ref_step, _setup, _train_against, api_of, max_diff, shard
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from toy import DIM, batches, loss_of
@@ -129,17 +130,7 @@ def _load_assign_into_meta(rank: int, world: int, impl: str) -> dict:
         sd[k] = distribute_tensor(t, meta_param.device_mesh, meta_param.placements)
     model.load_state_dict(sd, assign=True)
     on_cpu = all(not p.is_meta and p.device.type == "cpu" for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    data = batches(2, world)
-    for step in range(2):
-        loss_of(model, data[step][rank]).backward()
-        _ref_step(ref, data[step], world)
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    diff = max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
-    return {"diff": diff, "on_cpu": on_cpu}
+    return {"diff": _train_against(model, ref, rank, world), "on_cpu": on_cpu}
 
 
 def _checkpoint_under_mixed_precision(rank: int, world: int, impl: str) -> dict:
@@ -293,11 +284,4 @@ CASES: dict[str, Callable[[int, int, str], dict]] = {
 
 
 def dropin_program(rank: int, world: int, impl: str) -> dict[str, dict]:
-    out = {}
-    for name, case in CASES.items():
-        torch.set_default_dtype(torch.float64)
-        try:
-            out[name] = case(rank, world, impl)
-        except Exception as exc:  # one case failing must not hide the others
-            out[name] = {"diff": float("inf"), "raised": f"{type(exc).__name__}: {exc}"}
-    return out
+    return run_all(CASES, rank, world, impl)
