@@ -322,12 +322,10 @@ class ShardedParam:
             grad += g
 
     def adopt_module_param(self) -> bool:
-        """Take over the parameter the module holds now, if ``_apply`` (``to_empty``, ``.to()``)
-        replaced our object; every tied reference is pointed at it again. Returns whether it did.
-        """
-        ours = (None, self.sharded, self.unsharded)
-        # any reference: ``load_state_dict(assign=True)`` assigns a tied parameter under each name
-        held = [m._parameters[n] for m, n in self.refs]
+        """Take over the parameter a module holds now, if ``_apply`` or ``load_state_dict(...,
+        assign=True)`` replaced ours; every tied reference is pointed at it. Whether it did."""
+        ours = (None, self.sharded, self.unsharded)  # any name: assign=True sets each tied one
+        held = (m._parameters[n] for m, n in self.refs)
         current = next((t for t in held if all(t is not o for o in ours)), None)
         if current is None:
             return False
@@ -339,17 +337,14 @@ class ShardedParam:
         return True
 
     def on_grad_accumulated(self, hook: Callable[[torch.Tensor], None]) -> None:
-        """``hook`` runs after each gradient accumulation into the gathered parameter, also one
-        made later (an all-gather extension's, at its first gather) or unfrozen later."""
+        """``hook`` runs after each accumulation into the gathered parameter (also a later one)."""
         self.grad_hooks.append(hook)
-        if self._hooked is not None and self._hooked is self.unsharded:
-            self._hooked.register_post_accumulate_grad_hook(hook)
-        else:
-            self._hook_unsharded()
+        if self._hooked is self.unsharded is not None:  # hooked already: add this one
+            self.unsharded.register_post_accumulate_grad_hook(hook)  # type: ignore[union-attr]
+        self._hook_unsharded()
 
     def _hook_unsharded(self) -> None:
-        """Put ``grad_hooks`` on the gathered parameter once it exists and requires grad (torch
-        refuses a hook on a tensor that does not; NOTE [Freezing after fully_shard])."""
+        """``grad_hooks`` on the gathered parameter, once it requires grad (torch insists)."""
         u = self.unsharded
         if u is None or not u.requires_grad or self._hooked is u:
             return
@@ -369,12 +364,10 @@ class ShardedParam:
         if want == self.requires_grad:
             return False
         self.requires_grad = want
-        local = getattr(self.sharded, "_fullshard_local", None)
-        if local is not None:
-            local.requires_grad_(want)
-        if self.unsharded is not None:
-            self.unsharded.requires_grad_(want)
-            self._hook_unsharded()
+        for t in (getattr(self.sharded, "_fullshard_local", None), self.unsharded):
+            if t is not None:
+                t.requires_grad_(want)
+        self._hook_unsharded()
         return True
 
     def make_unsharded(self, view: torch.Tensor) -> nn.Parameter:

@@ -17,29 +17,6 @@ NOTE [Resharding to a smaller group]
 unit sharded over k ranks (``post_forward_shard``: k consecutive ranks, e.g. one node), so
 backward all-gathers within that group only, for k times the memory of a full reshard.
 
-NOTE [Which gradients exist]
-Plain PyTorch leaves ``.grad`` None for a parameter no backward reached. A rank sets the sharded
-``.grad`` exactly where its own backward produced a gradient (missing ones are sent as zeros, so
-that every rank issues the same collective). That is exact when every rank's backward reaches
-the same parameters, which FSDP2 requires too; fullshard also checks it: each rank's block of the
-reduce-scatter carries one presence bit per parameter, and after the sum each must be 0 or the
-group size (NOTE [Collective positions]). A disagreement raises on every rank, naming the
-parameters, instead of leaving ranks whose shards silently diverge; deciding from the sums
-instead would need the host to read them every unit, every step.
-
-NOTE [Freezing after fully_shard]
-Fine-tuning freezes parameters after sharding: ``p.requires_grad_(False)`` on the sharded
-parameter the optimizer and ``model.parameters()`` see. Autograd, though, computes with the
-gathered parameter, a different object. So at every forward each unit compares the sharded
-parameters' ``requires_grad`` with what it last saw (one attribute read per parameter, as FSDP2
-does at each unshard) and, on a change, sets it on the gathered parameter, puts the
-post-accumulate-grad hooks of NOTE [Post-backward events] on a newly trainable one, and rebuilds
-``trainable``: the reduce-scatter's layout, reduce dtype and presence bits then cover exactly
-the trainable parameters, and a frozen one gets no gradient, so the optimizer leaves it as it
-is. Unfreezing works the same way. Freezing takes effect at the next forward (a backward already
-recorded keeps its graph, as in plain PyTorch), and every rank must freeze the same parameters,
-as FSDP2 requires: the reduce-scatter's size follows them.
-
 NOTE [Accumulating without sync]
 With ``set_requires_gradient_sync(False)`` the unsharded gradients stay on the rank and the next
 backward adds to them. When they are computed in a narrower dtype than the reduce dtype (bf16
@@ -160,8 +137,6 @@ class CommUnit:
             params, originals, mesh, mp_policy, self.shard_device, self.pin_memory, name
         )
         self._set_trainable()
-        # reduce-scatter tags are exact in the reduce dtype up to a group size (desync.py)
-        self.reduce_tags = mesh.world_size > 1 and tags_exact(self.reduce_dtype, mesh.world_size)
         self.requires_grad_sync = True
         self.requires_all_reduce = True
         self.divide_factor: float | None = None  # set_gradient_divide_factor
@@ -179,14 +154,13 @@ class CommUnit:
             g.load([t for p, t in zip(params, originals, strict=True) if by_param[id(p)] is g])
 
     def _set_trainable(self) -> None:
-        """Which parameters reduce gradients, their reduce-scatter layout and dtype."""
+        """Which parameters reduce gradients: their reduce-scatter layout, its dtype, and
+        whether its tags are exact in that dtype at this group size (desync.py)."""
         self.trainable = [p for p in self.params if p.requires_grad]
         self.reduce_dtype = reduce_dtype_of(self.groups, self.mp_policy, self.name)
-        self.grad_layout = FlatLayout(
-            [p.shape for p in self.trainable],
-            self.mesh.world_size,
-            dims=[p.dim for p in self.trainable],
-        )
+        world, dims = self.mesh.world_size, [p.dim for p in self.trainable]
+        self.grad_layout = FlatLayout([p.shape for p in self.trainable], world, dims=dims)
+        self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
 
     def sync_requires_grad(self) -> None:
         """NOTE [Freezing after fully_shard]: at each forward, follow ``requires_grad_`` calls
@@ -198,8 +172,6 @@ class CommUnit:
             return
         self.finish_reduce()  # a reduction in flight was packed in the old layout
         self._set_trainable()
-        world = self.mesh.world_size
-        self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
         kept = {id(p) for p in self.trainable}
         self.accumulated = {k: v for k, v in self.accumulated.items() if k in kept}
 
@@ -272,9 +244,7 @@ class CommUnit:
         for g in self.groups:
             g.reattach()  # copies each cast shard into the new group's flat buffer
             g.write_static_tag(self.index)
-        self.reduce_dtype = reduce_dtype_of(self.groups, self.mp_policy, self.name)
-        world = self.mesh.world_size
-        self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
+        self._set_trainable()
 
     # -- unshard / wait / reshard ---------------------------------------------------------
     def unshard(self, phase: Phase = Phase.IDLE) -> None:
