@@ -52,6 +52,9 @@ CONFIGS: dict[str, tuple[dict[str, Any], int]] = {
     # reduce stream) and all-reduce (all-gather and a sum on the all-reduce stream), every
     # micro-batch reduced into the tree of gradients, the fixed-order norm
     "fixed_order_hsdp": ({"hsdp": True, "fixed_order": True, "sync_each": True}, 2),
+    # NOTE [Freezing after fully_shard]: blocks.0 frozen at step 1 and unfrozen at step 2, so
+    # the unit's reduce layout changes between quiet steps
+    "freeze_unfreeze": ({"freeze": True}, 1),
 }
 
 
@@ -61,6 +64,7 @@ def _build(world: int, kw: dict[str, Any]) -> Net:
     kw = dict(kw)
     kw.pop("checkpoint", None)
     kw.pop("sync_each", None)
+    kw.pop("freeze", None)
     fixed = kw.pop("fixed_order", False)
     if kw.pop("tp", False):
         from torch.distributed.device_mesh import init_device_mesh
@@ -130,6 +134,7 @@ def _train(
     emu: Any,
     tp: bool = False,
     sync_each: bool = False,
+    freeze: bool = False,
 ) -> list[int]:
     """``steps`` steps; the host synchronisations counted in each (under ``emu``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -151,6 +156,9 @@ def _train(
             subscribe(model, emu.owned["probe"])
         if emu is not None:
             emulation.reset_sync_counts()
+        if freeze:
+            for p in model.blocks[0].parameters():
+                p.requires_grad_(step != 1)
         for k in range(micro):
             last = k == micro - 1
             model.set_requires_gradient_sync(last or sync_each)
@@ -181,8 +189,10 @@ def run_config(
     """``name`` of ``CONFIGS`` plainly and under the emulation (with ``mutation`` applied)."""
     kw, micro = CONFIGS[name]
     tp, ckpt, each = kw.get("tp", False), kw.get("checkpoint", False), kw.get("sync_each", False)
+    freeze = kw.get("freeze", False)
+    steps = 3 if freeze else steps
     plain = _build(world, kw)
-    _train(plain, rank, world, micro, steps, None, tp, each)
+    _train(plain, rank, world, micro, steps, None, tp, each, freeze)
     if ckpt:
         plain = _reloaded(plain, world, kw, rank, "plain")
         _train(plain, rank, world, micro, 1, None, tp)
@@ -194,7 +204,7 @@ def run_config(
                 probe = emu.owned["probe"] = AllReduceProbe(emu)
                 model = _build(world, kw)
                 with probe.watching():
-                    counts = _train(model, rank, world, micro, steps, emu, tp, each)
+                    counts = _train(model, rank, world, micro, steps, emu, tp, each, freeze)
                     if ckpt:
                         model = _reloaded(model, world, kw, rank, "emulated")
                         _train(model, rank, world, micro, 1, None, tp)

@@ -318,9 +318,20 @@ CASES: dict[str, Callable[[int, int, str], dict]] = {
 }
 
 
-def gaps_program(rank: int, world: int, impl: str) -> dict[str, dict]:
-    out = {}
-    for name, case in CASES.items():
+def run_all(
+    cases: dict[str, Callable[[int, int, str], dict]], rank: int, world: int, impl: str
+) -> dict[str, dict]:
+    """Every case in turn, each in float64; one that raises reports it (``raised``) and does
+    not hide the others."""
+    out: dict[str, dict] = {}
+    for name, case in cases.items():
         torch.set_default_dtype(torch.float64)
-        out[name] = case(rank, world, impl)
+        try:
+            out[name] = case(rank, world, impl)
+        except Exception as exc:
+            out[name] = {"diff": float("inf"), "raised": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def gaps_program(rank: int, world: int, impl: str) -> dict[str, dict]:
+    return run_all(CASES, rank, world, impl)

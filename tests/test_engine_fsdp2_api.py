@@ -170,8 +170,6 @@ def _bad(rank: int, world: int, case: str) -> str:
     try:
         if case == "int":
             fully_shard(model.blocks[0], reshard_after_forward=3)
-        elif case == "ignored":
-            fully_shard(model.blocks[0], ignored_params={model.blocks[1].gate})
         elif case == "dtypes":
             model.blocks[0].fc1.double()  # float64 and float32 trainable, no reduce dtype
             fully_shard(model.blocks[0])
@@ -184,7 +182,6 @@ def _bad(rank: int, world: int, case: str) -> str:
     "case, words",
     [
         ("int", ["reshard_after_forward=3", "must divide the shard group size 4", "[1, 2, 4]"]),
-        ("ignored", ["1 of the ignored_params", "are not parameters"]),
         ("dtypes", ["computed in", "reduce_dtype"]),
     ],
 )

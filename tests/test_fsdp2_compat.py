@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import fsdp2_dropin
 import fsdp2_gaps
 import fsdp2_programs as progs
 import pytest
@@ -36,6 +37,7 @@ WORLD: dict[Callable[..., Any], int] = {
     progs.reshard_int_program: 4,
     progs.list_program: 2,
     fsdp2_gaps.gaps_program: 2,
+    fsdp2_dropin.dropin_program: 2,
     progs.meta_init_program: 2,
     progs.mixed_precision_program: 2,
     progs.shard_placement_program: 2,
@@ -163,3 +165,16 @@ def test_shard_placement_fn_matches_fsdp2() -> None:
             assert r["diff"] <= EXACT, (impl, r)
     assert res["torch"][0]["placements"] == res["fullshard"][0]["placements"]
     assert "Shard(dim=1)" in res["fullshard"][0]["placements"]["head.weight"]
+
+
+def test_what_frameworks_and_the_rest_of_torchs_tests_exercise_under_both_imports() -> None:
+    # every case of fsdp2_dropin.CASES (issue 33), one program: the freeze above all
+    res = _both(fsdp2_dropin.dropin_program)
+    for case in fsdp2_dropin.CASES:
+        per = {i: [r[case] for r in res[i]] for i in IMPLS}
+        _report(case, per)
+        for impl in IMPLS:
+            for r in per[impl]:
+                assert "raised" not in r, (case, impl, r["raised"])
+                assert r["diff"] <= EXACT, (case, impl, r)
+                assert all(v is True for k, v in r.items() if k != "diff"), (case, impl, r)

@@ -21,7 +21,7 @@ import torch
 from harness import case_results, run_cases, run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -66,23 +66,36 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def _tp_fsdp(model: nn.Module, dp: int, tp: int, hsdp: bool = False) -> nn.Module:
+def _other_dim(param: nn.Parameter) -> Shard:
+    """FSDP2's test_init_2d_transformer_shard_diff_dim: a TP matrix is sharded over the
+    data-parallel ranks on the dim TP does not shard (Shard(1) for a column-parallel weight)."""
+    if isinstance(param, DTensor):
+        for placement in param.placements:
+            if isinstance(placement, Shard):
+                return Shard(param.ndim - 1 - placement.dim)
+    return Shard(0)
+
+
+def _tp_fsdp(
+    model: nn.Module, dp: int, tp: int, hsdp: bool = False, placement: Any = None
+) -> nn.Module:
     names = ("replicate", "shard", "tp") if hsdp else ("dp", "tp")
     shape = (2, dp // 2, tp) if hsdp else (dp, tp)  # HSDP: 2 replicas
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dp_mesh = mesh["replicate", "shard"] if hsdp else mesh["dp"]
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=dp_mesh, shard_placement_fn=placement)
     return model
 
 
-def _parity(rank: int, world: int, tp: int, hsdp: bool) -> dict:
+def _parity(rank: int, world: int, tp: int, hsdp: bool, other_dim: bool = False) -> dict:
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     ref = Net()
-    model = _tp_fsdp(copy.deepcopy(ref), world // tp, tp, hsdp)
+    placement = _other_dim if other_dim else None
+    model = _tp_fsdp(copy.deepcopy(ref), world // tp, tp, hsdp, placement)
     dp_rank, dp = rank // tp, world // tp
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -129,6 +142,17 @@ def test_fsdp_times_tp_matches_one_process(
         assert r["placements"]["blocks.0.down.bias"] == f"({dp}, Replicate())"
         norm = f"({dp})" if hsdp else f"({dp},)"  # not TP: the data-parallel placements only
         assert r["placements"]["blocks.0.norm.weight"] == norm
+
+
+def test_tp_parameters_sharded_on_the_other_dim_match_one_process(
+    four_ranks: list[dict],
+) -> None:
+    # shard_placement_fn returns Shard(1) for TP's Shard(0) weights and Shard(0) for its
+    # Shard(1) ones (FSDP2's test_init_2d_transformer_shard_diff_dim): still exact
+    for r in case_results(four_ranks, ("parity", 2, False, "other_dim")):
+        assert r["diff"] <= 1e-12 and r["export_diff"] <= 1e-12 and r["norm_diff"] <= 1e-12, r
+        assert r["placements"]["blocks.0.up.weight"] == "(Shard(dim=1), Shard(dim=0))"
+        assert r["placements"]["blocks.0.down.weight"] == "(Shard(dim=0), Shard(dim=1))"
 
 
 def _bad_mesh(rank: int, world: int) -> str:
@@ -340,6 +364,7 @@ def _cases(rank: int, world: int, folder: str) -> dict:
     cases: dict[Any, tuple[Callable[..., Any], tuple]] = {
         ("parity", 2, False): (_parity, (2, False)),
         ("parity", 2, True): (_parity, (2, True)),
+        ("parity", 2, False, "other_dim"): (_parity, (2, False, True)),
         "save": (_save, (folder,)),
         "builtin_gpt": (_builtin_gpt_tp, ()),
         "bad_mesh": (_bad_mesh, ()),

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers and IDEs
         share_comm_ctx,
     )
     from fullshard.engine.gradients import ShardedGradScaler, clip_grad_norm_
+    from fullshard.engine.install import Installed, install
     from fullshard.engine.parallelize import apply_plan, parallelize
     from fullshard.engine.schedule import Point
     from fullshard.engine.sharding import (
@@ -50,6 +51,7 @@ __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
     "FullshardError",
+    "Installed",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "Point",
@@ -63,6 +65,7 @@ __all__ = [
     "clip_grad_norm_",
     "fully_shard",
     "get_state_dict",
+    "install",
     "set_state_dict",
     "share_comm_ctx",
     "parallelize",
@@ -86,6 +89,8 @@ _SOURCES = {
     "share_comm_ctx": "fullshard.engine.api",
     "ShardedGradScaler": "fullshard.engine.gradients",
     "clip_grad_norm_": "fullshard.engine.gradients",
+    "Installed": "fullshard.engine.install",
+    "install": "fullshard.engine.install",
     "apply_plan": "fullshard.engine.parallelize",
     "parallelize": "fullshard.engine.parallelize",
     "Point": "fullshard.engine.schedule",

@@ -15,7 +15,24 @@ class FullshardError(RuntimeError):
     """An error fullshard raises on every rank: what is wrong, where, and what to do."""
 
 
-class SharedParameterError(FullshardError, ValueError):
+# Where FSDP2 raises a builtin exception, fullshard raises a ``FullshardError`` that is also an
+# instance of that type, so code written against FSDP2 (``except ValueError``) still catches it.
+
+
+class FullshardValueError(FullshardError, ValueError):
+    """A bad argument or input, where FSDP2 raises ``ValueError``."""
+
+
+class FullshardAssertionError(FullshardError, AssertionError):
+    """A refused use, where FSDP2 raises ``AssertionError`` (deep copy, a module wrapped twice,
+    a shard dim the parameter lacks)."""
+
+
+class FullshardNotImplementedError(FullshardError, NotImplementedError):
+    """What neither FSDP2 nor fullshard supports, where FSDP2 raises ``NotImplementedError``."""
+
+
+class SharedParameterError(FullshardValueError):
     """A parameter is tied across two units (a ``ValueError`` too, as FSDP2 raises)."""
 
 

@@ -181,12 +181,7 @@ def test_uneven_shard_k_is_refused_with_the_sizes(fake_pg: tuple[int, int]) -> N
     assert "rank" not in msg.split(":")[0]  # the same words on every rank
 
 
-def test_tensor_parallel_and_extension_parameters_take_dim_0(fake_pg: tuple[int, int]) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    lin = nn.Linear(8, 4, bias=False)
-    lin.weight = nn.Parameter(DTensor.from_local(torch.randn(2, 8), mesh["tp"], [Shard(0)]))
-    msg = _error(lin, lambda p: Shard(1), mesh=mesh["dp"])
-    assert "tensor-parallel" in msg and "Shard(0)" in msg, msg
+def test_extension_parameters_take_dim_0(fake_pg: tuple[int, int]) -> None:
     quant = nn.Linear(8, 4, bias=False)
     quant.weight = nn.Parameter(QuantWeight(quant.weight.detach()))
     msg = _error(quant, lambda p: Shard(1))

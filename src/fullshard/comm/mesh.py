@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fullshard.comm.device import accepted_devices, check_device
-from fullshard.policies import FullshardError
+from fullshard.policies import FullshardError, FullshardValueError
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -109,7 +109,7 @@ def mesh_info(
         check_device(device, group, where)
         return MeshInfo(group, dist.get_rank(group), dist.get_world_size(group), device)
     if mesh.ndim not in (1, 2):
-        raise FullshardError(
+        raise FullshardValueError(
             f"fully_shard got a {mesh.ndim}-D DeviceMesh; pass a 1-D mesh (shard) or a 2-D mesh "
             "(replicate, shard) for hybrid sharding."
         )

@@ -15,13 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fullshard.comm.mesh import MeshInfo, mesh_info
 from fullshard.engine.collect import (
-    check_ignored,
     check_modules,
     check_params,
     check_tensor_parallel,
     collect,
     original_uid,
+    owned_ignored,
     param_device,
+    register_with_torch,
 )
 from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, signature
 from fullshard.engine.cpu_rng import install_cpu_shard_rng
@@ -38,7 +39,14 @@ from fullshard.engine.param import ShardedParam, local_of
 from fullshard.engine.placement import ShardPlacementFn, shard_dims
 from fullshard.engine.state_dict_hooks import install_state_dict_hooks
 from fullshard.engine.unit import CommUnit
-from fullshard.policies import FullshardError, MixedPrecisionPolicy, OffloadPolicy
+from fullshard.policies import (
+    CPUOffloadPolicy,
+    FullshardError,
+    FullshardNotImplementedError,
+    FullshardValueError,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 
 
 def _reshard_arg(value: bool | int | None, info: MeshInfo, unit: str) -> bool | int | None:
@@ -47,12 +55,12 @@ def _reshard_arg(value: bool | int | None, info: MeshInfo, unit: str) -> bool | 
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
-        raise FullshardError(
+        raise FullshardValueError(
             f"reshard_after_forward for {unit} must be a bool, None or an int, not {value!r}"
         )
     n = info.world_size
     if value < 1 or value > n or n % value:
-        raise FullshardError(
+        raise FullshardValueError(
             f"reshard_after_forward={value} for {unit} must divide the shard group size {n} "
             f"(rank {info.rank}): pass one of {[d for d in range(1, n + 1) if n % d == 0]}, "
             "e.g. the number of GPUs per node, or a bool."
@@ -73,6 +81,7 @@ def fully_shard(
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     shard_placement_fn: ShardPlacementFn | None = None,
+    dp_mesh_dims: Any = None,
 ) -> Any:
     """Shard ``module``'s parameters over ``mesh`` and gather them around its forward/backward.
 
@@ -96,8 +105,11 @@ def fully_shard(
             their gradients not reduced.
         shard_placement_fn: ``fn(param) -> Shard(k) | None`` (FSDP2's): shard that parameter
             on dim ``k`` instead of 0 (``None``: dim 0). Dims other than 0 must divide by the
-            shard group size; tensor-parallel and all-gather-extension parameters take dim 0.
+            shard group size (of the TP-local tensor for a tensor-parallel parameter);
+            all-gather-extension parameters take dim 0.
             The unit still moves in one all-gather and one reduce-scatter.
+        dp_mesh_dims: FSDP2's ``DataParallelMeshDims`` (the data-parallel dims of a full SPMD
+            mesh whose parameters are DTensors on it): not supported yet; ``None`` only.
 
     Returns:
         ``module`` (the list, for a list), changed in place.
@@ -105,8 +117,16 @@ def fully_shard(
     modules = list(module) if isinstance(module, list) else [module]
     check_modules(modules)
     unit_name = "unit " + "+".join(type(m).__name__ for m in modules)
-    ignored = list(ignored_params or ())
-    check_ignored(modules, ignored, unit_name)
+    if dp_mesh_dims is not None:
+        raise FullshardNotImplementedError(
+            f"fully_shard(..., dp_mesh_dims={dp_mesh_dims!r}) for {unit_name}: fullshard does "
+            "not shard parameters that are DTensors on a full SPMD mesh yet. Pass the "
+            "data-parallel submesh instead, fully_shard(module, mesh=mesh['dp']) (a 2-D "
+            "mesh[('dp_replicate', 'dp_shard')] for HSDP), with tensor-parallel parameters on "
+            "mesh['tp'] (torchtitan: leave its SPMD mode off)."
+        )
+    mp_policy, offload_policy = _our_policies(mp_policy, offload_policy)
+    ignored = owned_ignored(modules, ignored_params or ())
     found, nested = collect(modules, ignored)
     states = [cast(FSDPModule, m)._fullshard_state for m in nested]
     children = list({id(s): s for s in states}.values())  # a list unit's modules share one
@@ -123,7 +143,7 @@ def fully_shard(
             "them (nor by FSDP2): pass True or False."
         )
     names = [f.fqns[0] for f in found]
-    dims = shard_dims(shard_placement_fn, [f.param for f in found], names, info, unit_name, tp)
+    dims = shard_dims(shard_placement_fn, [f.param for f in found], names, info, unit_name)
     entries = [(f.fqns, f.param, f.refs) for f in found]
     check_same_model(unit_name, signature(entries, dims), info)
     # a tensor-parallel parameter is sharded by its local tensor (NOTE [Tensor parallel
@@ -164,8 +184,36 @@ def fully_shard(
     for m in modules:
         m._fullshard_state = state  # type: ignore[assignment]
         m.__class__ = fsdp_class(type(m))  # type: ignore[arg-type]
+        register_with_torch(m)
     return module
 
+
+def _our_policies(mp: Any, offload: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy | None]:
+    """torch's own ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy`` objects as fullshard's: a
+    framework may have built them from ``torch.distributed.fsdp`` before ``fullshard.install()``
+    routed those names here (an unrecognised offload policy would otherwise be ignored)."""
+    if not isinstance(mp, MixedPrecisionPolicy):
+        mp = MixedPrecisionPolicy(
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            output_dtype=mp.output_dtype,
+            cast_forward_inputs=mp.cast_forward_inputs,
+        )
+    if offload is not None and not isinstance(offload, OffloadPolicy):
+        if hasattr(offload, "pin_memory"):  # torch's CPUOffloadPolicy
+            offload = CPUOffloadPolicy(pin_memory=offload.pin_memory)
+        else:  # torch's OffloadPolicy(): no offloading
+            offload = OffloadPolicy()
+    return mp, offload
+
+
+def _state_of(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)`` (FSDP2's accessor): the module's fullshard state (its unit,
+    hooks and root), or None for a module ``fully_shard`` was not called on."""
+    return getattr(module, "_fullshard_state", None)
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 __all__ = [
     "FSDPModule",

@@ -18,6 +18,7 @@ module order), where the engine would refuse the tie.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -32,7 +34,11 @@ from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.extension import extension_problem, is_tensor_subclass
 from fullshard.engine.fsdp_module import FSDPModule
 from fullshard.engine.param import TPSpec, local_of
-from fullshard.policies import FullshardError
+from fullshard.policies import (
+    FullshardAssertionError,
+    FullshardError,
+    FullshardValueError,
+)
 
 if TYPE_CHECKING:
     from fullshard.engine.hooks import FSDPState
@@ -55,6 +61,21 @@ class Found:
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``module`` is already a unit (passed to ``fully_shard``)."""
     return isinstance(module, FSDPModule)
+
+
+def replicated(module: nn.Module) -> bool:
+    """Whether torch's composable ``replicate()`` (DDP) manages ``module``: its parameters are
+    DDP's, so a ``fully_shard`` call above it leaves them alone, as FSDP2 does."""
+    registry = _get_registry(module)
+    return registry is not None and "replicate" in registry
+
+
+def register_with_torch(module: nn.Module) -> None:
+    """Mark ``module`` as ``fully_shard``'s in torch's registry of composable APIs, where
+    torch's own ``replicate()`` looks before taking a module's parameters (it skips those of
+    fully sharded submodules, and refuses a module that is fully sharded itself)."""
+    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
+    registry.setdefault("fully_shard", RegistryItem())
 
 
 def collect(
@@ -96,6 +117,8 @@ def collect(
                 if all(c is not child for c in children):
                     children.append(child)
                 continue
+            if replicated(child):
+                continue  # DDP's (torch's replicate())
             visit(child, f"{prefix}{cname}.", owner)
 
     for i, module in enumerate(modules):
@@ -130,7 +153,7 @@ def check_tensor_parallel(
             continue
         where = f"parameter '{f.fqns[0]}' of {unit_name} (rank {info.rank})"
         if spec.mesh.device_type != info.device.type:
-            raise FullshardError(
+            raise FullshardValueError(
                 f"{where} is a DTensor on a '{spec.mesh.device_type}' mesh, but the unit shards "
                 f"over a '{info.device.type}' mesh; build both from one init_device_mesh, e.g. "
                 "mesh['dp'] and mesh['tp'] of init_device_mesh(device, (dp, tp), "
@@ -164,8 +187,14 @@ def check_modules(modules: list[nn.Module]) -> None:
     if not modules:
         raise FullshardError("fully_shard got an empty list of modules.")
     for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise FullshardValueError(  # a container: nothing would ever run its hooks
+                f"fully_shard got a {type(m).__name__}, which has no forward of its own, so its "
+                "parameters would never be gathered; pass the modules it holds (one call each, "
+                "or as one list: fully_shard(list(container))), or its parent."
+            )
         if isinstance(m, FSDPModule):
-            raise FullshardError(
+            raise FullshardAssertionError(
                 f"module {type(m).__name__} was already passed to fully_shard; wrap each module once."
             )
     for i, a in enumerate(modules):
@@ -178,17 +207,12 @@ def check_modules(modules: list[nn.Module]) -> None:
                 )
 
 
-def check_ignored(modules: list[nn.Module], ignored: Iterable[torch.Tensor], unit: str) -> None:
-    """Every ignored parameter must be a parameter of the call's modules."""
+def owned_ignored(modules: list[nn.Module], ignored: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The ignored parameters that belong to the call's modules. As in FSDP2 one set may be
+    given to every call of a model (``fully_shard(m, ignored_params=all_ignored)`` on each
+    module, bottom up): each call leaves alone the ones it holds, and the rest are not its."""
     own = {id(p) for m in modules for p in m.parameters()}
-    stray = [p for p in ignored if id(p) not in own]
-    if stray:
-        shapes = ", ".join(str(tuple(p.shape)) for p in stray[:5])
-        raise FullshardError(
-            f"{len(stray)} of the ignored_params given to fully_shard for {unit} are not "
-            f"parameters of its module(s) (shapes {shapes}); pass parameters of the module(s) "
-            "being sharded."
-        )
+    return [p for p in ignored if id(p) in own]
 
 
 def param_device(found: list[Found]) -> torch.device | None:
@@ -230,7 +254,7 @@ def check_params(
                 )
         check_subclass(p, fqn, unit_name)  # first: a lazy parameter has no dim()
         if p.dim() == 0:
-            raise FullshardError(
+            raise FullshardValueError(
                 f"parameter '{fqn}' of {unit_name} is 0-dim; fullshard shards along dim 0. "
                 "Make it shape (1,) (e.g. nn.Parameter(t.reshape(1))) before fully_shard."
             )

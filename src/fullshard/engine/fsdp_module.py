@@ -17,7 +17,12 @@ from torch import nn
 
 from fullshard.engine.hooks import FSDPState, outside_compile
 from fullshard.engine.unit import CommUnit
-from fullshard.policies import FullshardError, Phase
+from fullshard.policies import (
+    FullshardAssertionError,
+    FullshardError,
+    FullshardValueError,
+    Phase,
+)
 
 
 class UnshardHandle:
@@ -46,7 +51,7 @@ class FSDPModule:
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise FullshardError(
+        raise FullshardAssertionError(
             "a module passed to fully_shard cannot be deep-copied (its parameters are shards of "
             "one flat buffer per unit, as in FSDP2); copy the model before fully_shard, or move "
             "weights with state_dict()/load_state_dict()."
@@ -187,7 +192,7 @@ class FSDPModule:
         hook runs where the all-reduce ran)."""
         unit = self._fullshard_state.unit
         if stream is not None and unit.comm.replicate_group is not None:
-            raise FullshardError(
+            raise FullshardValueError(
                 f"set_all_reduce_hook(stream=...) on unit '{unit.name}', which is HSDP (a 2-D "
                 "mesh): its hook runs after the replica all-reduce, on that stream. Drop stream=."
             )

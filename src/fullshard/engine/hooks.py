@@ -42,8 +42,11 @@ would be reduced before they exist (measured: the toy's loss off by 1e-2 at the 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -112,8 +115,8 @@ class FSDPState:
                 m.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
                 m.register_forward_hook(self.post_forward, prepend=False),
             ]
-        for p in unit.trainable:
-            p.on_grad_accumulated(self._on_grad_accumulated)
+        for p in unit.params:  # frozen ones too: hooked once unfrozen (NOTE [Freezing after
+            p.on_grad_accumulated(self._on_grad_accumulated)  # fully_shard], unit.py)
 
     # -- root -----------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -169,47 +172,57 @@ class FSDPState:
         if _recomputing():
             assert self.schedule is not None
             self.schedule.pre_recompute(self.unit)
+            # the recomputed forward must see what the first one saw: inputs cast the same way
+            args, kwargs = self._cast_inputs(args, kwargs)
             # reentrant checkpointing runs the unit's backward on this recomputed graph
             return self._register_post_backward(args, kwargs)
-        self.lazy_init()
-        assert self.schedule is not None
-        if not self._to_run:  # the first module of the unit this forward
-            if self.is_root:
-                self.schedule.begin_forward(self.post_optim_event)
-                self.post_optim_event = None
-            # NOTE [Partial forwards of a list unit]
-            inside = self.schedule.in_forward
-            self._to_run = {id(m) for m in self.modules} if inside else {id(module)}
-            self.schedule.pre_forward(self.unit)
+        with _engine_only():
+            self.lazy_init()
+            assert self.schedule is not None
+            if not self._to_run:  # the first module of the unit this forward
+                if self.is_root:
+                    self.schedule.begin_forward(self.post_optim_event)
+                    self.post_optim_event = None
+                # NOTE [Partial forwards of a list unit]
+                inside = self.schedule.in_forward
+                self._to_run = {id(m) for m in self.modules} if inside else {id(module)}
+                self.schedule.pre_forward(self.unit)
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         mp = self.unit.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
-        if torch.is_grad_enabled():
-            args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
     @outside_compile
     def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Cast the output; when the unit's last running module is done, free it (as asked)."""
+        if self.unit.mp_policy.output_dtype is not None:  # recomputed too: the same dtypes
+            output = _cast_floats(output, self.unit.mp_policy.output_dtype)
         if _recomputing():
             return output  # the unit's backward is about to use these parameters: keep them
         assert self.schedule is not None
         grad = torch.is_grad_enabled()
-        if self.unit.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.unit.mp_policy.output_dtype)
         if grad:
             self._register_pre_backward(output)
         self._to_run.discard(id(module))
         if self._to_run:
             return output  # other modules of this unit are still to run
-        if self.is_root:
-            for st in self.tree:  # NOTE [Partial forwards of a list unit]
-                if st._to_run:
-                    st._to_run.clear()
-                    st.finish_forward(grad)
-        self.finish_forward(grad)
-        if self.is_root:
-            self.schedule.end_forward(grad)
+        with _engine_only():
+            if self.is_root:
+                for st in self.tree:  # NOTE [Partial forwards of a list unit]
+                    if st._to_run:
+                        st._to_run.clear()
+                        st.finish_forward(grad)
+            self.finish_forward(grad)
+            if self.is_root:
+                self.schedule.end_forward(grad)
         return output
 
     def finish_forward(self, grad: bool) -> None:
@@ -231,22 +244,22 @@ class FSDPState:
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        leaves, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
+        inputs = [t for t in tensor_leaves((args, kwargs)) if t.requires_grad]
+        if not inputs:
             return args, kwargs
-        outs = _PostBackwardInputs.apply(self, *[leaves[i] for i in idx])
-        for i, t in zip(idx, outs, strict=True):
-            leaves[i] = t
-        assert outs[0].grad_fn is not None
+        outs = _PostBackwardInputs.apply(self, *inputs)
+        node = outs[0].grad_fn
+        assert node is not None
+        it = iter(outs)  # the same tensors, in the same order, as ``inputs``
+        new_args, new_kwargs = map_tensors(
+            lambda t: next(it) if t.requires_grad else t, (args, kwargs)
+        )
         self._input_nodes = [r for r in self._input_nodes if r() is not None]
-        self._input_nodes.append(weakref.ref(outs[0].grad_fn))
-        new_args, new_kwargs = tree_unflatten(leaves, spec)
+        self._input_nodes.append(weakref.ref(node))
         return new_args, new_kwargs
 
     def _register_pre_backward(self, output: Any) -> None:
-        leaves, _ = tree_flatten(output)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in tensor_leaves(output) if t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
 
@@ -284,13 +297,49 @@ class FSDPState:
         return sum(1 for n in nodes if torch._C._will_engine_execute_node(n))
 
 
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor in a pytree to ``dtype`` (mixed precision)."""
+def _engine_only() -> contextlib.AbstractContextManager[Any]:
+    """NOTE [Hooks under functorch transforms]: a forward run inside ``torch.func.jvp`` (or
+    vmap, grad) reaches the hooks with functorch's transforms active, and they would treat the
+    engine's own writes (the gather's copy-out, the desync tags, storage freed and refilled) as
+    mutations of captured tensors, which they refuse. Those writes are not part of the user's
+    function, so they run with the transforms off (as FSDP2 does); the user's tensors (input
+    and output casts, the autograd hooks on them) stay under the transforms."""
+    if torch._C._are_functorch_transforms_active():
+        return torch._C._DisableFuncTorch()
+    return contextlib.nullcontext()
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to each tensor: a pytree (lists, tuples, dicts, NamedTuples,
+    what libraries register, such as Hugging Face's ``ModelOutput``) whose leaves may also be
+    dataclasses, which pytree does not open (FSDP2 reaches into them too)."""
     leaves, spec = tree_flatten(tree)
-    leaves = [
-        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves
-    ]
-    return tree_unflatten(leaves, spec)
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            x = fn(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            fields = [f.name for f in dataclasses.fields(x) if f.init]
+            x = dataclasses.replace(x, **{n: map_tensors(fn, getattr(x, n)) for n in fields})
+        out.append(x)
+    return tree_unflatten(out, spec)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """Every tensor of ``tree``, in ``map_tensors``' order."""
+    found: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    map_tensors(keep, tree)
+    return found
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in ``tree`` to ``dtype`` (mixed precision)."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _refuse_compiled_autograd(unit: str) -> None:

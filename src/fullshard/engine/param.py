@@ -200,6 +200,7 @@ class ShardedParam:
         # NOTE [All-gather extensions] (extension.py): wraps a flat-buffer view as the subclass
         self.wrap_local: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.grad_hooks: list[Callable[[torch.Tensor], None]] = []
+        self._hooked: nn.Parameter | None = None  # the gathered parameter holding grad_hooks
 
     @property
     def local(self) -> torch.Tensor:
@@ -227,12 +228,12 @@ class ShardedParam:
             dp = (*dp[:-1], Shard(self.dim))
         if self.tp is None:
             return dp
-        split = 1
+        split = 1  # TP's shards of the dim the data-parallel ranks shard too
         for size, placement in zip(self.tp.mesh.shape, self.tp.placements, strict=True):
-            if isinstance(placement, Shard) and placement.dim == 0:
+            if isinstance(placement, Shard) and placement.dim == self.dim:
                 split *= size
         if split > 1:
-            dp = (*dp[:-1], _StridedShard(0, split_factor=split))
+            dp = (*dp[:-1], _StridedShard(self.dim, split_factor=split))
         return (*dp, *self.tp.placements)
 
     def shard_of(self, value: Any, key: str) -> torch.Tensor:
@@ -321,12 +322,12 @@ class ShardedParam:
             grad += g
 
     def adopt_module_param(self) -> bool:
-        """Take over the parameter the module holds now, if ``_apply`` (``to_empty``, ``.to()``)
-        replaced our object; every tied reference is pointed at it again. Returns whether it did.
-        """
-        module, name = self.refs[0]
-        current = module._parameters[name]
-        if current is None or current is self.sharded or current is self.unsharded:
+        """Take over the parameter a module holds now, if ``_apply`` or ``load_state_dict(...,
+        assign=True)`` replaced ours; every tied reference is pointed at it. Whether it did."""
+        ours = (None, self.sharded, self.unsharded)  # any name: assign=True sets each tied one
+        held = (m._parameters[n] for m, n in self.refs)
+        current = next((t for t in held if all(t is not o for o in ours)), None)
+        if current is None:
             return False
         self.sharded = current
         if isinstance(current, DTensor):
@@ -336,17 +337,38 @@ class ShardedParam:
         return True
 
     def on_grad_accumulated(self, hook: Callable[[torch.Tensor], None]) -> None:
-        """``hook`` runs after each gradient accumulation into the gathered parameter, also one
-        made later (an all-gather extension's, at its first gather)."""
+        """``hook`` runs after each accumulation into the gathered parameter (also a later one)."""
         self.grad_hooks.append(hook)
-        if self.unsharded is not None:
-            self.unsharded.register_post_accumulate_grad_hook(hook)
+        if self._hooked is self.unsharded is not None:  # hooked already: add this one
+            self.unsharded.register_post_accumulate_grad_hook(hook)  # type: ignore[union-attr]
+        self._hook_unsharded()
+
+    def _hook_unsharded(self) -> None:
+        """``grad_hooks`` on the gathered parameter, once it requires grad (torch insists)."""
+        u = self.unsharded
+        if u is None or not u.requires_grad or self._hooked is u:
+            return
+        for hook in self.grad_hooks:
+            u.register_post_accumulate_grad_hook(hook)
+        self._hooked = u
 
     def set_unsharded(self, param: nn.Parameter) -> None:
         """Adopt a gathered parameter made elsewhere (NOTE [All-gather extensions])."""
         self.unsharded = param
-        for hook in self.grad_hooks:
-            param.register_post_accumulate_grad_hook(hook)
+        self._hook_unsharded()
+
+    def sync_requires_grad(self) -> bool:
+        """NOTE [Freezing after fully_shard]: take ``requires_grad`` from the sharded parameter
+        (what the user froze or unfroze) onto the gathered one; whether it changed."""
+        want = self.sharded.requires_grad
+        if want == self.requires_grad:
+            return False
+        self.requires_grad = want
+        for t in (getattr(self.sharded, "_fullshard_local", None), self.unsharded):
+            if t is not None:
+                t.requires_grad_(want)
+        self._hook_unsharded()
+        return True
 
     def make_unsharded(self, view: torch.Tensor) -> nn.Parameter:
         """Create (or re-point) the gathered parameter on ``view``.
@@ -373,6 +395,7 @@ class ShardedParam:
                     stride=self.tp.stride,
                 )
             self.unsharded = nn.Parameter(dt, requires_grad=self.requires_grad)
+        self._hook_unsharded()  # a new object (meta -> a device) needs the hooks again
         return self.unsharded  # type: ignore[return-value]
 
     def pop_grad(self) -> torch.Tensor | None:

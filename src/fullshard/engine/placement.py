@@ -25,7 +25,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.extension import has_extension_hooks
 from fullshard.engine.param import local_of
-from fullshard.policies import FullshardError
+from fullshard.policies import (
+    FullshardAssertionError,
+    FullshardError,
+    FullshardNotImplementedError,
+)
 
 try:  # FSDP2's richer answer (torch >= 2.10); older torch has only Shard | None
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
@@ -81,7 +85,7 @@ def _dim_of(result: Any, param: torch.Tensor, where: str, info: MeshInfo) -> int
     ndim = param.dim()
     dim = placement.dim + ndim if placement.dim < 0 else placement.dim
     if not 0 <= dim < ndim:
-        raise FullshardError(
+        raise FullshardAssertionError(
             f"shard_placement_fn returned Shard({placement.dim}) for {where}, of shape "
             f"{tuple(param.shape)}, which has no dim {placement.dim}; return Shard(d) with "
             f"{-ndim} <= d < {ndim}, or None for Shard(0)."
@@ -95,12 +99,11 @@ def shard_dims(
     names: Sequence[str],
     info: MeshInfo,
     unit_name: str,
-    tp: Sequence[object | None] = (),
 ) -> list[int]:
     """Each parameter's shard dim under ``fn`` (all 0 without one), after the checks above.
 
-    ``tp``: the parameters' tensor-parallel specs (None where not TP); those, and parameters
-    gathered through all-gather extension hooks, are sharded on dim 0 only.
+    A tensor-parallel parameter's dim is one of its TP-local tensor (NOTE [Tensor parallel
+    parameters]); parameters gathered through all-gather extension hooks take dim 0 only.
     """
     if fn is None:
         return [0] * len(params)
@@ -110,17 +113,10 @@ def shard_dims(
             f"not {type(fn).__name__}."
         )
     dims = []
-    specs = list(tp) or [None] * len(params)
-    for param, name, spec in zip(params, names, specs, strict=True):
+    for param, name in zip(params, names, strict=True):
         where = f"parameter '{name}' of {unit_name}"
         local = local_of(param)  # a TP parameter is sharded by its local tensor
         dim = _dim_of(fn(param), local, where, info)
-        if dim and spec is not None:
-            raise FullshardError(
-                f"shard_placement_fn returned Shard({dim}) for {where}, a tensor-parallel "
-                "DTensor; fullshard shards tensor-parallel parameters on dim 0 only. Return "
-                "Shard(0) (or None) for it."
-            )
         if dim and has_extension_hooks(local):
             raise FullshardError(
                 f"shard_placement_fn returned Shard({dim}) for {where}, a "
@@ -130,7 +126,7 @@ def shard_dims(
             )
         size, world = local.shape[dim], info.world_size
         if dim and size % world:
-            raise FullshardError(
+            raise FullshardNotImplementedError(
                 f"shard_placement_fn returned Shard({dim}) for {where}, of shape "
                 f"{tuple(local.shape)}: dim {dim} has size {size}, not divisible by the shard "
                 f"group size {world}. Only dim 0 may be sharded unevenly (as in FSDP2); return "

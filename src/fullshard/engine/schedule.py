@@ -218,6 +218,7 @@ class StepSchedule:
         self.in_forward = True
 
     def pre_forward(self, unit: CommUnit) -> None:
+        unit.sync_requires_grad()  # NOTE [Freezing after fully_shard]
         unit.wait_for_unshard(Phase.FORWARD)
         self.forwarded.add(unit)
         self.prefetcher.record_pre_forward(unit)

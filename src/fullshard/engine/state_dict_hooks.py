@@ -45,7 +45,15 @@ def install_state_dict_hooks(module: nn.Module, unit: CommUnit, owner: int = 0) 
             key = prefix + fqn
             if key in sd:
                 local = p.shard_of(sd[key], key)
-                sd[key] = as_dtensor(local.to(p.local.device, p.local.dtype), p.sharded)
+                # meta shards keep the loaded value's device: ``load_state_dict(sd,
+                # assign=True)`` into a model sharded on meta (accelerate's and transformers'
+                # cpu_ram_efficient_loading) must leave real parameters behind
+                device = local.device if p.local.is_meta else p.local.device
+                sd[key] = as_dtensor(local.to(device, p.local.dtype), p.sharded)
+
+    def after_load(mod: nn.Module, incompatible: Any) -> None:
+        unit.refresh_shards()  # adopt what ``assign=True`` put in the modules, at once
 
     module.register_state_dict_post_hook(save_hook)
     module.register_load_state_dict_pre_hook(load_hook)
+    module.register_load_state_dict_post_hook(after_load)

@@ -17,16 +17,6 @@ NOTE [Resharding to a smaller group]
 unit sharded over k ranks (``post_forward_shard``: k consecutive ranks, e.g. one node), so
 backward all-gathers within that group only, for k times the memory of a full reshard.
 
-NOTE [Which gradients exist]
-Plain PyTorch leaves ``.grad`` None for a parameter no backward reached. A rank sets the sharded
-``.grad`` exactly where its own backward produced a gradient (missing ones are sent as zeros, so
-that every rank issues the same collective). That is exact when every rank's backward reaches
-the same parameters, which FSDP2 requires too; fullshard also checks it: each rank's block of the
-reduce-scatter carries one presence bit per parameter, and after the sum each must be 0 or the
-group size (NOTE [Collective positions]). A disagreement raises on every rank, naming the
-parameters, instead of leaving ranks whose shards silently diverge; deciding from the sums
-instead would need the host to read them every unit, every step.
-
 NOTE [Accumulating without sync]
 With ``set_requires_gradient_sync(False)`` the unsharded gradients stay on the rank and the next
 backward adds to them. When they are computed in a narrower dtype than the reduce dtype (bf16
@@ -145,15 +135,7 @@ class CommUnit:
         self.groups = make_groups(
             params, originals, mesh, mp_policy, self.shard_device, self.pin_memory, name
         )
-        self.trainable = [p for p in params if p.requires_grad]
-        self.reduce_dtype = reduce_dtype_of(self.groups, mp_policy, name)
-        self.grad_layout = FlatLayout(
-            [p.shape for p in self.trainable],
-            mesh.world_size,
-            dims=[p.dim for p in self.trainable],
-        )
-        # reduce-scatter tags are exact in the reduce dtype up to a group size (desync.py)
-        self.reduce_tags = mesh.world_size > 1 and tags_exact(self.reduce_dtype, mesh.world_size)
+        self._set_trainable()
         self.requires_grad_sync = True
         self.requires_all_reduce = True
         self.divide_factor: float | None = None  # set_gradient_divide_factor
@@ -169,6 +151,28 @@ class CommUnit:
         by_param = {id(p): g for g in self.groups for p in g.params}
         for g in self.groups:
             g.load([t for p, t in zip(params, originals, strict=True) if by_param[id(p)] is g])
+
+    def _set_trainable(self) -> None:
+        """Which parameters reduce gradients: their reduce-scatter layout, its dtype, and
+        whether its tags are exact in that dtype at this group size (desync.py)."""
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self.reduce_dtype = reduce_dtype_of(self.groups, self.mp_policy, self.name)
+        world, dims = self.mesh.world_size, [p.dim for p in self.trainable]
+        self.grad_layout = FlatLayout([p.shape for p in self.trainable], world, dims=dims)
+        self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
+
+    def sync_requires_grad(self) -> None:
+        """NOTE [Freezing after fully_shard]: at each forward, follow ``requires_grad_`` calls
+        made on the sharded parameters since the last one."""
+        changed = False
+        for p in self.params:
+            changed = p.sync_requires_grad() or changed
+        if not changed:
+            return
+        self.finish_reduce()  # a reduction in flight was packed in the old layout
+        self._set_trainable()
+        kept = {id(p) for p in self.trainable}
+        self.accumulated = {k: v for k, v in self.accumulated.items() if k in kept}
 
     # -- the single-dtype view most callers want ------------------------------------------
     @property
@@ -239,9 +243,7 @@ class CommUnit:
         for g in self.groups:
             g.reattach()  # copies each cast shard into the new group's flat buffer
             g.write_static_tag(self.index)
-        self.reduce_dtype = reduce_dtype_of(self.groups, self.mp_policy, self.name)
-        world = self.mesh.world_size
-        self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
+        self._set_trainable()
 
     # -- unshard / wait / reshard ---------------------------------------------------------
     def unshard(self, phase: Phase = Phase.IDLE) -> None:

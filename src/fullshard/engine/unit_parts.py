@@ -21,6 +21,29 @@ sum of N gradients can overflow, so fp16 sums are pre-divided by a power of two 
 (exact: a power of two) and post-divided by N / p, as FSDP2 does. The reduced shard is then cast
 to the parameters' dtype once per unit, on the device, before any copy to host memory: casting
 the pinned host copy instead read it before the device had written it (issue 17, defect 1).
+
+NOTE [Which gradients exist]
+Plain PyTorch leaves ``.grad`` None for a parameter no backward reached. A rank sets the sharded
+``.grad`` exactly where its own backward produced a gradient (missing ones are sent as zeros, so
+that every rank issues the same collective). That is exact when every rank's backward reaches
+the same parameters, which FSDP2 requires too; fullshard also checks it: each rank's block of the
+reduce-scatter carries one presence bit per parameter, and after the sum each must be 0 or the
+group size (NOTE [Collective positions]). A disagreement raises on every rank, naming the
+parameters, instead of leaving ranks whose shards silently diverge; deciding from the sums
+instead would need the host to read them every unit, every step.
+
+NOTE [Freezing after fully_shard]
+Fine-tuning freezes parameters after sharding: ``p.requires_grad_(False)`` on the sharded
+parameter the optimizer and ``model.parameters()`` see. Autograd, though, computes with the
+gathered parameter, a different object. So at every forward each unit compares the sharded
+parameters' ``requires_grad`` with what it last saw (one attribute read per parameter, as FSDP2
+does at each unshard) and, on a change, sets it on the gathered parameter, puts the
+post-accumulate-grad hooks of NOTE [Post-backward events] on a newly trainable one, and rebuilds
+``trainable``: the reduce-scatter's layout, reduce dtype and presence bits then cover exactly
+the trainable parameters, and a frozen one gets no gradient, so the optimizer leaves it as it
+is. Unfreezing works the same way. Freezing takes effect at the next forward (a backward already
+recorded keeps its graph, as in plain PyTorch), and every rank must freeze the same parameters,
+as FSDP2 requires: the reduce-scatter's size follows them.
 """
 
 from __future__ import annotations

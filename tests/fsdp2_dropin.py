@@ -1,0 +1,287 @@
+"""FSDP2 programs for what the rest of torch's FSDP2 tests and the frameworks that call
+``fully_shard`` exercise (issue 33): freezing and unfreezing after ``fully_shard``, loading into
+meta-initialised shards with ``assign=True``, structured activations and activation
+checkpointing under mixed precision, ``fully_shard.state``, FSDP2's error types.
+
+``dropin_program`` runs every case in one launch (as ``fsdp2_gaps.gaps_program``) under torch's
+``fully_shard`` or fullshard's, and returns per case the largest difference from one process in
+float64 (``diff``) and the named facts its test checks (each must be true).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from fsdp2_gaps import run_all
+from fsdp2_programs import Net, _ref_step, _setup, _train_against, api_of, max_diff, shard
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from toy import DIM, batches, loss_of
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _freeze(model: nn.Module, frozen: bool) -> None:
+    for p in model.blocks[0].parameters():  # type: ignore[union-attr]
+        p.requires_grad_(not frozen)
+
+
+def _freeze_between_steps(rank: int, world: int, impl: str) -> dict:
+    """Freeze a block after fully_shard (the usual fine-tuning step), step, unfreeze, step,
+    freeze again, step: frozen weights stay bit for bit, the rest equals one process."""
+    ref, model = _setup()
+    shard(model, impl)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    data = batches(3, world)
+    unchanged, moved = [], []
+    for step, frozen in enumerate((True, False, True)):
+        for m in (model, ref):
+            _freeze(m, frozen)
+        before = {k: _full(v).clone() for k, v in model.named_parameters() if "blocks.0" in k}
+        loss_of(model, data[step][rank]).backward()
+        _ref_step(ref, data[step], world)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        after = {k: _full(v) for k, v in model.named_parameters() if "blocks.0" in k}
+        same = all(torch.equal(before[k], after[k]) for k in before)
+        (unchanged if frozen else moved).append(same)
+    diff = max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
+    return {
+        "diff": diff,
+        "frozen_bitwise_unchanged": all(unchanged),
+        "unfrozen_trained": not any(moved),
+    }
+
+
+class _Pair(NamedTuple):
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Box:
+    x: torch.Tensor
+    scale: float
+
+
+class _Structured(nn.Module):
+    """Takes and returns a dataclass and a NamedTuple (test_structured_input_output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, box: _Box) -> _Pair:
+        y = self.lin(box.x) * box.scale
+        return _Pair(y, y.relu())
+
+
+def _structured_activations(rank: int, world: int, impl: str) -> dict:
+    """Mixed precision with dataclass / NamedTuple activations: inputs cast, outputs come back
+    in their own types, backward runs (bf16 compute, so compared with torch's, not exact)."""
+    api = api_of(impl)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Structured(), _Structured())
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = model[0], model[1]
+
+        def forward(self, box: _Box) -> torch.Tensor:
+            p = self.a(box)
+            q = self.b(_Box(p.a + p.b, 0.5))
+            return (q.a + q.b).float().square().mean()
+
+    root = Two()
+    mp = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    api.fully_shard(root.a, mp_policy=mp)
+    api.fully_shard(root.b, mp_policy=mp)
+    api.fully_shard(root, mp_policy=mp)
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        root(_Box(x, 2.0)).backward()
+    grads = all(p.grad is not None for p in root.parameters())
+    return {"diff": 0.0, "grads": grads}
+
+
+def _load_assign_into_meta(rank: int, world: int, impl: str) -> dict:
+    """accelerate's cpu_ram_efficient_loading: shard on meta, then load_state_dict(sd,
+    assign=True) of DTensors distributed from rank 0's full weights; trains as one process."""
+    ref, src = _setup()
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        model = Net()
+    shard(model, impl)
+    full = src.state_dict()
+    sd = {}
+    for k, meta_param in model.state_dict().items():
+        t = full[k].clone() if rank == 0 else torch.empty_like(full[k])
+        dist.broadcast(t, src=0)
+        sd[k] = distribute_tensor(t, meta_param.device_mesh, meta_param.placements)
+    model.load_state_dict(sd, assign=True)
+    on_cpu = all(not p.is_meta and p.device.type == "cpu" for p in model.parameters())
+    return {"diff": _train_against(model, ref, rank, world), "on_cpu": on_cpu}
+
+
+def _checkpoint_under_mixed_precision(rank: int, world: int, impl: str) -> dict:
+    """Activation checkpointing around a unit under bf16: the recomputed forward casts its
+    inputs and its outputs as the first forward did (test_checkpoint_recompute_casts_*)."""
+    from torch.utils.checkpoint import checkpoint
+
+    api = api_of(impl)
+    out = {}
+    for cast in ("inputs", "outputs"):
+        torch.manual_seed(0)
+
+        class Outer(nn.Module):
+            def __init__(self, to_dtype: torch.dtype) -> None:
+                super().__init__()
+                self.lin = nn.Linear(DIM, DIM)
+                self.seen: list[torch.dtype] = []
+                self.to_dtype = to_dtype
+
+            def run_lin(self, x: torch.Tensor) -> torch.Tensor:
+                y = self.lin(x)
+                self.seen.append(y.dtype)
+                return y
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                # past the root's cast: the unit's own pre-forward must cast it, also recomputed
+                x = x.to(self.to_dtype)
+                y = checkpoint(self.run_lin, x, use_reentrant=False, early_stop=False)
+                return y.float().square().mean()
+
+        model = Outer(torch.float64 if cast == "inputs" else torch.bfloat16)
+        if cast == "inputs":
+            mp = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        else:
+            mp = api.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, output_dtype=torch.float32, cast_forward_inputs=False
+            )
+        api.fully_shard(model.lin, mp_policy=mp)
+        api.fully_shard(model, mp_policy=mp)
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(rank))
+        model(x).backward()
+        want = torch.bfloat16 if cast == "inputs" else torch.float32
+        out[f"recomputed_{cast}_cast"] = model.seen == [want, want] or str(model.seen)
+    return {"diff": 0.0, **out}
+
+
+def _error_types(rank: int, world: int, impl: str) -> dict:
+    """What FSDP2 refuses raises FSDP2's exception type (code that catches it works)."""
+    api = api_of(impl)
+    out = {}
+    try:  # a module class fully_shard cannot take
+        api.fully_shard(nn.ModuleList([nn.Linear(2, 2)]))
+        out["module_list_value_error"] = False
+    except ValueError:
+        out["module_list_value_error"] = True
+    try:
+        api.fully_shard(nn.Linear(2, 2), reshard_after_forward="yes")  # type: ignore[arg-type]
+        out["bad_reshard_value_error"] = False
+    except ValueError:
+        out["bad_reshard_value_error"] = True
+    return {"diff": 0.0, **out}
+
+
+def _ignored_set_for_the_whole_model(rank: int, world: int, impl: str) -> dict:
+    """One ignored_params set passed to every fully_shard call of a model (bottom up): each
+    call leaves alone the ignored parameters it holds (test_ddp_A_fsdp_B_ddp_C)."""
+    _, model = _setup()
+    ignored = {model.blocks[1].gate}
+    fs = api_of(impl).fully_shard
+    for b in model.blocks:
+        fs(b, ignored_params=ignored)
+    fs(model, ignored_params=ignored)
+    loss_of(model, batches(1, world)[0][rank]).backward()
+    return {
+        "diff": 0.0,
+        "ignored_left_alone": not isinstance(model.blocks[1].gate, DTensor),
+        "others_sharded": isinstance(model.blocks[1].fc1.weight, DTensor),
+    }
+
+
+def _jvp_without_warmup(rank: int, world: int, impl: str) -> dict:
+    """A unit whose first forward runs inside ``torch.func.jvp``, reshard_after_forward=False,
+    bf16 (test_no_warmup_jvp_reshard_after_forward_false): its lazy init and gather run there."""
+    api = api_of(impl)
+    mp = api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(8, 16, bias=False), nn.Linear(16, 12, bias=False)
+    for m in (enc, dec):
+        api.fully_shard(m, mp_policy=mp, reshard_after_forward=False)
+    x = torch.randn(8, dtype=torch.bfloat16)
+    e = enc(x)
+    primal = torch.randn(12, dtype=torch.bfloat16, requires_grad=True)
+    out, tangent_out = torch.func.jvp(lambda _: dec(e), (primal,), (torch.randn(12).bfloat16(),))
+    return {
+        "diff": 0.0,
+        "output": out.shape == (12,) and out.dtype == torch.bfloat16,
+        "tangent_zero": bool((tangent_out == 0).all()),
+    }
+
+
+def _non_contiguous_parameter(rank: int, world: int, impl: str) -> dict:
+    """A channels_last conv weight: FSDP2 refuses it (NotImplementedError); fullshard accepts
+    it (the shard is a contiguous copy of its rows, the values are the same) and trains it as
+    one process does. Each import as documented."""
+    api = api_of(impl)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 4, 3)
+    conv.weight = nn.Parameter(conv.weight.detach().to(memory_format=torch.channels_last))
+    ref = copy.deepcopy(conv)
+    try:
+        api.fully_shard(conv)
+    except NotImplementedError:
+        return {"diff": 0.0, "as_documented": impl == "torch"}
+    opt = torch.optim.AdamW(conv.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        xs = [torch.randn(2, 2, 6, 6, generator=g) for _ in range(world)]
+        conv(xs[rank]).square().mean().backward()
+        for x in xs:
+            ref(x).square().mean().backward()
+        for p in ref.parameters():
+            p.grad.div_(world)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    diff = max_diff(dict(conv.named_parameters()), dict(ref.named_parameters()))
+    return {"diff": diff, "as_documented": impl == "fullshard"}
+
+
+def _state_accessor(rank: int, world: int, impl: str) -> dict:
+    """``fully_shard.state(module)`` returns the module's FSDP state object (not None)."""
+    api = api_of(impl)
+    lin = nn.Linear(DIM, DIM)
+    api.fully_shard(lin)
+    state = api.fully_shard.state(lin)
+    return {"diff": 0.0, "state": state is not None}
+
+
+CASES: dict[str, Callable[[int, int, str], dict]] = {
+    "freeze, unfreeze, freeze between steps after fully_shard": _freeze_between_steps,
+    "structured activations under mixed precision": _structured_activations,
+    "load_state_dict(assign=True) into meta shards": _load_assign_into_meta,
+    "activation checkpointing under mixed precision": _checkpoint_under_mixed_precision,
+    "FSDP2's error types": _error_types,
+    "fully_shard.state(module)": _state_accessor,
+    "a non-contiguous parameter: refused by FSDP2, trained by fullshard": _non_contiguous_parameter,
+    "functorch jvp through a unit's first forward": _jvp_without_warmup,
+    "one ignored_params set for the whole model": _ignored_set_for_the_whole_model,
+}
+
+
+def dropin_program(rank: int, world: int, impl: str) -> dict[str, dict]:
+    return run_all(CASES, rank, world, impl)
