@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from fullshard.comm import control
+from fullshard.observe.plot import pyplot  # matplotlib, when installed
 from fullshard.observe.rss import rss_bytes  # the one resident-set reader
 
 __all__ = [
@@ -79,12 +80,11 @@ class MetricsLog:
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Train (and validation) loss against step, saved as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
-
+    """Train (and validation) loss against step, saved as a PNG; without matplotlib (an optional
+    extra) one line says how to get it and nothing is drawn."""
+    plt = pyplot(path.name)
+    if plt is None:
+        return
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
