@@ -239,7 +239,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     src = what.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (analytic mode)")
     src.add_argument("--model", help="a fullshard.app.models.gpt name: tiny, demo, small, gpt2-124m, "
-                     "1b, 7b, or hf:NAME (model mode)")  # fmt: skip
+                     "1b, 7b, hf:NAME, or hf:DIR for a local Hugging Face config directory "
+                     "(model mode)")  # fmt: skip
     what.add_argument("--layers", type=int, default=32,
                       help="analytic: transformer layers = units (default 32)")  # fmt: skip
     what.add_argument("--hidden", type=int, help="analytic: hidden size (default "
