@@ -25,6 +25,7 @@ $(WARM): $(STAMP)
 	$(PY) -c 'import torch.distributed.tensor, torch.distributed.checkpoint, torch._dynamo, transformers, fullshard.app.train.trainer, fullshard.app.cli, pytest, xdist'
 	touch $(WARM)
 
+# .[dev] includes the cli extra: the progress bar (tqdm) and loss.png (matplotlib)
 demo: $(STAMP)
 	$(VENV)/bin/fullshard train
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from fullshard.app.cli import main
-from fullshard.app.commands.plan import make_plan, plan_builtin
+from fullshard.app.commands.plan import make_plan, model_vocab, plan_builtin
 from fullshard.app.models.gpt import build_model, count_params, lm_loss, unit_types_of
 from fullshard.comm.desync import TAG_LEN
 from fullshard.engine.sharding import hybrid_shard_size
+from fullshard.observe.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
 from fullshard.plan import (
     PlanConfig,
     fmt_bytes,
@@ -288,6 +289,69 @@ def test_cli_model_mode_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["params"] == count_params(build_model("tiny", 256))
     assert set(data["phases"]) == {"forward", "backward", "optimizer"}
     assert data["recommendation"]["strategy"]
+
+
+# Llama 3.1 8B's config.json: the published values, written here (nothing is downloaded)
+LLAMA_3_1_8B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}  # fmt: skip
+
+
+def test_cli_plans_a_hf_directory_with_its_own_vocabulary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
+    plans = {}
+    for vocab in ([], ["--vocab", "256"]):  # the config's own, then --vocab overriding it
+        argv = ["plan", "--model", f"hf:{tmp_path}", "--devices", "8", "--json", *vocab]
+        assert main(argv) == 0
+        plans[len(vocab)] = json.loads(capsys.readouterr().out)
+    own, bytes_ = plans[0], plans[2]
+    assert own["params"] == 8_030_261_248  # Meta's published count (embeddings and head untied)
+    assert own["shape"]["vocab"] == 128_256
+    assert bytes_["params"] == 6_981_685_248 and bytes_["shape"]["vocab"] == 256
+    # the logits (fp32: batch 1 x 128 positions x the vocabulary) are in forward's activations
+    logits = 1 * 128 * (128_256 - 256) * 4
+    forward = own["phases"]["forward"]["activations"] - bytes_["phases"]["forward"]["activations"]
+    assert forward >= logits
+
+
+def test_a_hf_config_on_meta_never_holds_its_weights_on_the_host() -> None:
+    # what lets an 8B config be planned on a laptop: the parameters are made on meta directly
+    build_model("hf:llama-tiny", 256, device="meta")  # imports transformers' Llama first
+    if not reset_peak_rss():
+        pytest.skip("this system cannot reset the peak resident set")
+    before = rss_bytes()
+    model = build_model("hf:llama-1b", 256, device="meta")
+    growth = peak_rss_bytes() - before
+    fp32_bytes = 4 * count_params(model)  # 3.9 GB: what a CPU build then .to("meta") peaks at
+    assert all(p.is_meta for p in model.parameters())
+    assert growth < 0.1 * fp32_bytes, f"peak resident set grew {growth / 2**20:.0f} MiB"
+
+
+def test_builtin_models_keep_the_byte_vocabulary() -> None:
+    for name in ("tiny", "hf:llama-tiny"):  # HF_CONFIGS take theirs from the tokenizer
+        assert model_vocab(name) == 256
+        plan = plan_builtin(
+            name, 2, PlanConfig(precision="fp32", seq=32), with_recommendation=False
+        )
+        assert plan.shape["vocab"] == 256
+    assert model_vocab("hf:llama-tiny", 1000) == 1000
 
 
 def test_cli_help_and_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,8 @@
-"""Drawing the timeline (layer 10): one PNG, ranks as rows, where the five steps of FSDP show.
+"""Drawing (layer 10): every figure fullshard draws gets matplotlib from :func:`pyplot`, and the
+timeline: one PNG, ranks as rows, where the five steps of FSDP show.
+
+matplotlib is optional (``pip install 'fullshard[cli]'``, the command line's extras): without it a
+figure is skipped with one line saying how to get it, and the run goes on.
 
 Each rank gets five lanes: compute (forward/backward per unit, the optimizer step), gather and
 reduce (each collective from issue to completion), exposed (the rank blocked on a collective) and
@@ -8,9 +12,35 @@ under compute bars; exposed bars are the part that was not hidden.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from fullshard.observe.timeline import LANES, Event
+
+__all__ = ["CLI_EXTRA", "draw_timeline", "pyplot"]
+
+CLI_EXTRA = "pip install 'fullshard[cli]'"  # matplotlib and tqdm: what the CLI adds to the library
+
+
+def pyplot(what: str) -> ModuleType | None:
+    """matplotlib's ``pyplot`` on the Agg backend (no display on training machines), or ``None``
+    after one line on stderr saying that ``what`` (e.g. ``"loss.png"``) is not drawn and how to
+    get matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(
+            f"fullshard: {what} not drawn: matplotlib is not installed ({CLI_EXTRA})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
 
 COLORS = {
     "forward": "#4caf50",
@@ -26,12 +56,12 @@ EXPOSED = "#e53935"
 
 def draw_timeline(
     events: list[Event], origin: dict[int, float], path: str | Path, title: str = ""
-) -> None:
-    """Save the timeline of ``events`` (times relative to each rank's ``origin``) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
+) -> bool:
+    """Save the timeline of ``events`` (times relative to each rank's ``origin``) as a PNG;
+    ``False`` when matplotlib is missing (nothing written, one line said so)."""
+    plt = pyplot(Path(path).name)
+    if plt is None:
+        return False
     from matplotlib.patches import Patch
 
     ranks = sorted(origin)
@@ -68,3 +98,4 @@ def draw_timeline(
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+    return True

@@ -27,6 +27,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from fullshard.observe.plot import pyplot  # matplotlib, when installed
+
 __all__ = ["markdown_table", "summarize", "write_report"]
 
 MIB = 2**20
@@ -222,12 +224,10 @@ def markdown_table(summary: dict[str, Any]) -> str:
     return "\n".join(rows + notes) + "\n"
 
 
-def _draw(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _draw(summary: dict[str, Any], path: Path) -> bool:
+    plt = pyplot(path.name)
+    if plt is None:  # matplotlib is optional: one line said how to get it
+        return False
     names = list(summary["variants"])
     figs = [summary["variants"][n] for n in names]
     cfg = summary["config"]
@@ -266,13 +266,17 @@ def _draw(summary: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def write_report(summary: dict[str, Any], out: Path) -> str:
-    """Write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out``; returns the Markdown."""
+    """Write ``bench.json``, ``bench.md`` and ``bench.png`` (with matplotlib) into ``out``;
+    returns the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(summary)
-    (out / "bench.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "bench.md").write_text(f"# fullshard bench\n\n{table}")
-    _draw(summary, out / "bench.png")
-    return table + f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}"
+    files = [out / "bench.json", out / "bench.md", out / "bench.png"]
+    files[0].write_text(json.dumps(summary, indent=2) + "\n")
+    files[1].write_text(f"# fullshard bench\n\n{table}")
+    if not _draw(summary, files[2]):
+        files.pop()
+    return table + "\nwrote " + ", ".join(str(f) for f in files)

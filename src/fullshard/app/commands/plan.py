@@ -14,21 +14,44 @@ import torch
 from torch import nn
 
 from fullshard.app.config import add_config_options
-from fullshard.app.models.gpt import build_model, lm_loss, unit_types_of
+from fullshard.app.models.gpt import (
+    build_model,
+    lm_loss,
+    output_vocab_size,
+    resolve_model_spec,
+    unit_types_of,
+)
 from fullshard.plan import GB, Plan, PlanConfig, fmt_bytes, plan_analytic, plan_model, recommend
 from fullshard.plan.accounting import DTYPE_BYTES, OPTIMIZERS, Recommendation
 from fullshard.plan.model import describe
 from fullshard.policies import MEMORY_CATEGORIES, STEP_PHASES
+
+BYTE_VOCAB = 256  # the built-in models' vocabulary: UTF-8 bytes, as fullshard train reads text
 
 __all__ = [
     "PLAN_EPILOG",
     "add_plan_arguments",
     "format_plan",
     "make_plan",
+    "model_vocab",
     "plan_builtin",
     "plan_json",
     "run",
 ]
+
+
+def model_vocab(name: str, vocab_size: int | None = None) -> int:
+    """The vocabulary a plan of ``name`` uses: ``vocab_size`` when given (``--vocab``), else the
+    model's own: a Hugging Face directory's (its ``config.json``), and for the built-in names the
+    256 byte tokens ``fullshard train`` gives them."""
+    if vocab_size is not None:
+        return vocab_size
+    kind, spec = resolve_model_spec(name)
+    if kind == "hf":
+        from fullshard.app.models.hf import config_vocab_size
+
+        return config_vocab_size(spec) or BYTE_VOCAB
+    return BYTE_VOCAB
 
 
 def plan_builtin(
@@ -36,13 +59,14 @@ def plan_builtin(
     world_size: int,
     config: PlanConfig | None = None,
     *,
-    vocab_size: int = 256,
+    vocab_size: int | None = None,
     with_recommendation: bool = True,
 ) -> Plan:
     """:func:`fullshard.plan.plan_model` for a ``fullshard.app.models.gpt`` name (``small``,
-    ``gpt2-124m``, ``hf:NAME`` ...), built on the meta device, with the trainer's loss; with
-    ``config.tp`` > 1, split as ``fullshard train --tp`` splits it."""
-    model = build_model(name, vocab_size, device="meta")
+    ``gpt2-124m``, ``hf:NAME``, ``hf:DIR`` ...), built on the meta device, with the trainer's
+    loss; with ``config.tp`` > 1, split as ``fullshard train --tp`` splits it. ``vocab_size``:
+    see :func:`model_vocab` (``None``: the model's own)."""
+    model = build_model(name, model_vocab(name, vocab_size), device="meta")
     config = config or PlanConfig(precision="fp32", seq=128)
     local = tp_local_shapes(model, config.tp) if config.tp > 1 else None
     return plan_model(
@@ -52,7 +76,8 @@ def plan_builtin(
         config,
         loss_step=lm_loss,
         name=name,
-        shape={"batch": config.batch, "seq": config.seq, "vocab": vocab_size},
+        # the logits the model makes (a checkpoint's vocabulary wins over --vocab)
+        shape={"batch": config.batch, "seq": config.seq, "vocab": output_vocab_size(model)},
         with_recommendation=with_recommendation,
         local_shapes=local,
     )
@@ -90,7 +115,7 @@ def make_plan(
     hidden: int | None = None,
     heads: int | None = None,
     fused_attention: bool = False,
-    vocab_size: int = 256,
+    vocab_size: int | None = None,
 ) -> Plan:
     """What ``fullshard plan`` prints: an analytic (``params``) or model (``model``) plan with its
     recommendation attached."""
@@ -214,7 +239,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     src = what.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (analytic mode)")
     src.add_argument("--model", help="a fullshard.app.models.gpt name: tiny, demo, small, gpt2-124m, "
-                     "1b, 7b, or hf:NAME (model mode)")  # fmt: skip
+                     "1b, 7b, hf:NAME, or hf:DIR for a local Hugging Face config directory "
+                     "(model mode)")  # fmt: skip
     what.add_argument("--layers", type=int, default=32,
                       help="analytic: transformer layers = units (default 32)")  # fmt: skip
     what.add_argument("--hidden", type=int, help="analytic: hidden size (default "
@@ -222,8 +248,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--heads", type=int, help="analytic: attention heads (default hidden/128)")
     what.add_argument("--fused-attention", action="store_true",
                       help="analytic: flash/fused attention (no s*s scores saved)")  # fmt: skip
-    what.add_argument("--vocab", type=int, default=256,
-                      help="model: vocabulary size (default 256, byte-level)")  # fmt: skip
+    what.add_argument("--vocab", type=int,
+                      help="model: vocabulary size (default: a Hugging Face directory's own, "
+                      "from its config.json; 256 byte tokens for the built-in names)")  # fmt: skip
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--devices", type=int, required=True, help="number of devices (world size)")
     hw.add_argument("--device-memory", type=float, default=80.0,

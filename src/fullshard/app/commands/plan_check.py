@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fullshard.app.commands.plan import plan_builtin
+from fullshard.app.commands.plan import model_vocab, plan_builtin
 from fullshard.app.launch.local import rank_session, resolve_backend
 from fullshard.app.models.gpt import build_model, lm_loss, unit_types_of
 from fullshard.app.models.wrap import shard_model
@@ -98,16 +98,18 @@ def _check(
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     config = check_config(args, backend)
-    plan = plan_builtin(args.model, world, config, with_recommendation=False)
+    # one vocabulary for the plan, the model and the tokens drawn (--vocab, else the model's own)
+    vocab = model_vocab(args.model, args.vocab)
+    plan = plan_builtin(args.model, world, config, vocab_size=vocab, with_recommendation=False)
     rss0 = _rss_mib()
-    model = build_model(args.model, 256, seed=0, device=device, lazy_weights=True)
+    model = build_model(args.model, vocab, seed=0, device=device, lazy_weights=True)
     group = config.shard_group(world)
     shard_model(model, args.strategy, unit_types_of(model), shard_size=group)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     tracker: MemoryTracker | None = None
     for step in range(args.check_steps + 1):
-        x = torch.randint(256, (config.batch, config.seq + 1), generator=gen).to(device)
+        x = torch.randint(vocab, (config.batch, config.seq + 1), generator=gen).to(device)
         lm_loss(model, x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

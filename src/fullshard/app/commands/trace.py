@@ -134,13 +134,14 @@ def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device
             f"{args.model} ({n_params / 1e6:.1f}M params), {world} ranks, {args.strategy}: "
             f"{args.steps} steps, exposed comm {100 * summary['exposed_fraction']:.1f}% of a step"
         )
-        draw_timeline(events, origin_by_rank, out / "trace.png", title)
+        drawn = draw_timeline(events, origin_by_rank, out / "trace.png", title)
         (out / "trace_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         comm = ", ".join(f"{k} {v:.2f}" for k, v in summary["comm_per_step_in_model_units"].items())
+        files = ["trace.json", *(["trace.png"] if drawn else []), "trace_summary.json"]
         print(
             f"{title}\nstep {summary['step_ms']:.1f} ms (median), exposed communication "
             f"{summary['exposed_ms']:.1f} ms; bytes per step in model units: {comm}\n"
-            f"wrote {out / 'trace.json'}, {out / 'trace.png'}, {out / 'trace_summary.json'}",
+            f"wrote {', '.join(str(out / f) for f in files)}",
             flush=True,
         )
     return summary

@@ -535,8 +535,8 @@ def validate_plan(args: argparse.Namespace) -> None:
             f"--reserve {args.reserve} is not a fraction of device memory: give a number in "
             "[0, 1), e.g. --reserve 0.1 (10% kept back)"
         )
-    _at_least(args, 1, "devices", "layers", "batch", "devices_per_node", "vocab", "tp")
-    for dest in ("hidden", "heads", "seq", "hybrid_group"):
+    _at_least(args, 1, "devices", "layers", "batch", "devices_per_node", "tp")
+    for dest in ("hidden", "heads", "seq", "hybrid_group", "vocab"):
         if getattr(args, dest, None) is not None:
             _at_least(args, 1, dest)
 

@@ -318,6 +318,39 @@ def prepare(opts: PrepareOptions) -> dict[str, Any]:
     return index
 
 
+class _NoBar:
+    """What ``prepare`` uses of a tqdm bar, drawing nothing."""
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def _progress_bar(total_bytes: int, wanted: bool) -> Any:
+    """tqdm's bar in MB/s on stderr (only on a terminal: ``disable=None``), or, when tqdm (an
+    optional extra) is missing, one line saying how to get it and a bar that draws nothing."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        if wanted and sys.stderr.isatty():
+            print(
+                "fullshard prepare: no progress bar: tqdm is not installed "
+                "(pip install 'fullshard[cli]')",
+                file=sys.stderr,
+                flush=True,
+            )
+        return _NoBar()
+    return tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
+        disable=None if wanted else True, dynamic_ncols=True,
+    )  # fmt: skip
+
+
 def _write(
     opts: PrepareOptions,
     files: list[Path],
@@ -326,8 +359,6 @@ def _write(
     dtype: str,
     vocab: int,
 ) -> dict[str, Any]:
-    from tqdm import tqdm
-
     # Byte "tokenizing" is a copy (UTF-8 encode): shipping the text to a worker and the tokens
     # back costs more than doing it here (measured: 192 MB/s in-process vs 37 MB/s with 2
     # workers on 2 CPUs), so workers serve real tokenizers only.
@@ -338,11 +369,7 @@ def _write(
     splitter = _Splitter(opts.val_fraction, writers["train"], writers["val"])
     stats = {"documents": 0, "chars": 0}
     start = time.perf_counter()
-    bar = tqdm(
-        total=total_bytes, unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
-        disable=None if opts.progress else True, dynamic_ncols=True,
-    )  # fmt: skip
-    with bar:
+    with _progress_bar(total_bytes, opts.progress) as bar:
         batches = segment_batches(files, opts.chunk_chars, bar.update, stats)
         for segments, tokens, lengths in encoded(batches, workers, (opts.tokenizer, fast, dtype)):
             offset = 0

@@ -24,6 +24,7 @@ from torch import nn
 __all__ = [
     "HF_CONFIGS",
     "build_hf_model",
+    "config_vocab_size",
     "find_decoder_layers",
     "load_pending",
     "require_transformers",
@@ -109,6 +110,18 @@ def _hf_config(spec: str, vocab_size: int | None) -> tuple[Any, bool]:
     return config, has_weights
 
 
+def config_vocab_size(spec: str) -> int | None:
+    """The vocabulary a local Hugging Face directory's ``config.json`` declares; ``None`` for a
+    built-in name (:data:`HF_CONFIGS` have none: theirs comes from the tokenizer)."""
+    if spec in HF_CONFIGS:
+        return None
+    config, _ = _hf_config(spec, None)
+    # a multimodal config keeps its language model's vocabulary in its text config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
+
+
 def _fp32(transformers: Any) -> dict[str, torch.dtype]:
     """The keyword that builds a model in float32 (transformers 4.56 renamed ``torch_dtype``)."""
     from packaging.version import Version
@@ -162,18 +175,21 @@ def build_hf_model(
     a directory with weights is loaded as is (its vocabulary must cover the tokenizer's, which
     the trainer checks). With ``lazy_weights`` a directory with safetensors weights is built
     with its parameters on the meta device (buffers on ``device``) and loads nothing yet: shard
-    it, then :func:`load_pending` (``fullshard.app.models.wrap.shard_model`` does both). The returned
-    model gets a ``unit_types`` attribute: its decoder layer classes.
+    it, then :func:`load_pending` (``fullshard.app.models.wrap.shard_model`` does both). With
+    ``device="meta"`` the parameters are made on the meta device directly (no init, no load: any
+    size costs no memory). The returned model gets a ``unit_types`` attribute: its decoder layer
+    classes.
     """
     transformers = require_transformers()
     config, has_weights = _hf_config(spec, vocab_size)
-    # on the meta device nothing would be kept of loaded weights: build lazily then, too
+    # on the meta device nothing would be kept of loaded weights or of a random init: build the
+    # parameters there from the start (an 8B config built on the CPU first needs 32 GB)
     on_meta = device is not None and torch.device(device).type == "meta"
     weights = safetensors_dir(spec) if (lazy_weights or on_meta) and has_weights else None
     # fork_rng: seed the init without disturbing the caller's global RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if weights is not None:
+        if weights is not None or on_meta:
             with _params_on_meta():
                 model = transformers.AutoModelForCausalLM.from_config(config, **_fp32(transformers))
             target = torch.device(device or "cpu")
@@ -181,7 +197,7 @@ def build_hf_model(
                 for name, buf in module._buffers.items():
                     if buf is not None:
                         module._buffers[name] = buf.to(target)
-            if target.type != "meta":
+            if weights is not None and target.type != "meta":
                 setattr(model, _PENDING, (weights, target))
             device = None
         elif has_weights:

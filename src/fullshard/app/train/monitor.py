@@ -11,6 +11,7 @@ from typing import Any, TextIO
 import torch
 
 from fullshard.comm import control
+from fullshard.observe.plot import CLI_EXTRA, pyplot  # matplotlib, when installed
 from fullshard.observe.rss import rss_bytes  # the one resident-set reader
 
 __all__ = [
@@ -63,7 +64,8 @@ def make_run_dir(runs_dir: str, name: str | None) -> Path:
 
 
 def progress_bar(total: int, initial: int, enabled: bool, file: TextIO | None = None) -> Any:
-    """The rank-0 progress bar, or ``None`` when ``enabled`` is false.
+    """The rank-0 progress bar, or ``None`` when ``enabled`` is false (or tqdm, an optional
+    extra, is not installed: the plain log lines are printed instead).
 
     ``disable=None`` is tqdm's "only on a terminal": redirected to a log file (or under a
     launcher that pipes it), a bar would write one line per update; the plain log lines of
@@ -71,8 +73,11 @@ def progress_bar(total: int, initial: int, enabled: bool, file: TextIO | None = 
     """
     if not enabled:
         return None
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:  # an optional extra: the plain log lines say the same
+        print(f"fullshard: no progress bar: tqdm is not installed ({CLI_EXTRA})", flush=True)
+        return None
     return tqdm(
         total=total, initial=initial, unit="step", dynamic_ncols=True, disable=None, file=file
     )
@@ -131,12 +136,11 @@ class MetricsLog:
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Train (and validation) loss against step, saved as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
-
+    """Train (and validation) loss against step, saved as a PNG; without matplotlib (an optional
+    extra) one line says how to get it and nothing is drawn."""
+    plt = pyplot(path.name)
+    if plt is None:
+        return
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
