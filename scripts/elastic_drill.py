@@ -7,6 +7,9 @@ this machine, on the same model and data:
 - a node lost under two torchrun agents (``--rdzv-backend fullshard``): the other node goes on
   at half the world until the node, started again, joins;
 - ring neighbours lost together: the job ends with a message naming the newest checkpoint;
+- issue 36: a rank lost in step 1 (``step1``), a hung rank (``hang``: alive, heartbeat beating),
+  a rank frozen past its fencing that wakes later (``zombie``), a rank lost while the others
+  recover from another loss (``during``);
 - the steady-state cost of ``--elastic`` (step time, memory), runs alternated with the default.
 
     python scripts/elastic_drill.py [--nproc 4] [--steps 12] [--kill-step 6] [--model tiny]
@@ -72,6 +75,12 @@ def _train(work: Path, name: str, args: list[str], fault: str = "") -> dict[str,
     proc = subprocess.run([*cmd, "--name", name], env=env, capture_output=True, text=True)
     row = _row(work, name, proc, time.perf_counter() - t0, int(args[args.index("--max-steps") + 1]))
     row["stderr_tail"] = proc.stderr.strip().splitlines()[-1:] if proc.stderr else []
+    # what the faults and the launcher said of them, in order (a zombie's wake, a fencing)
+    row["fault_lines"] = [
+        ln
+        for ln in (proc.stdout + proc.stderr).splitlines()
+        if ln.startswith("[fault]") or "fenced" in ln or "member" in ln
+    ]
     launcher = [ln for ln in proc.stderr.splitlines() if "are pids" in ln]
     if launcher:
         row["pids_printed"] = json.loads(launcher[0].split("are pids ")[1])
@@ -178,6 +187,15 @@ def main() -> int:
             [*elastic, "--save-every", "2"],
             f"kill:rank=1:step={k}+kill:rank=2:step={k}",
         ),  # fmt: skip
+        # issue 36: the failures clusters have
+        "step1": lambda w: _train(w, "step1", elastic, f"kill:rank={n - 1}:step=1"),
+        "hang": lambda w: _train(w, "hang", [*elastic, "--timeout", "30"], f"hang:rank=2:step={k}"),
+        "zombie": lambda w: _train(
+            w, "zombie", [*elastic, "--timeout", "30"], f"freeze:rank=2:step={k}:secs=45"
+        ),
+        "during": lambda w: _train(
+            w, "during", elastic, f"kill:rank=2:step={k}+kill:rank=0:step={k}:at=recovery"
+        ),
     }
     chosen = [] if a.only == "none" else [d for d in (a.only.split(",") if a.only else drills)]
     rows: list[dict[str, Any]] = []
@@ -231,6 +249,9 @@ def main() -> int:
             + (f" | {r['stderr_tail'][0]}" if r["status"] != 0 and r.get("stderr_tail") else ""),
             flush=True,
         )
+        if r["name"] in ("step1", "hang", "zombie", "during"):
+            for line in r["fault_lines"]:
+                print(f"    {line}", flush=True)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"reference": ref, "steady": steady, "drills": rows}, indent=2))

@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_app_cli import converted, records, train_on_ranks
 
+from fullshard.app.train import faults as faults_mod
 from fullshard.app.train.faults import Fault, fault_from_env
 from fullshard.policies import FullshardError
 
@@ -126,14 +127,45 @@ def test_nan_with_on_nonfinite_stop_fails_every_rank_with_the_step(tmp_path: Pat
         assert r["stderr"].count("step 3 produced a non-finite loss") == 1, (rank, r)
 
 
-def test_signal_fault_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    monkeypatch.setenv("FULLSHARD_FAULT", "signal:rank=1:step=3:sig=usr1:repeat=2")
-    assert fault_from_env() == Fault("signal", 1, 3, signal.SIGUSR1, 2)
-    monkeypatch.setenv("FULLSHARD_FAULT", "signal:step=3")
-    assert fault_from_env() == Fault("signal", 0, 3, signal.SIGTERM, 1)
-    monkeypatch.setenv("FULLSHARD_FAULT", "signal:sig=KILL")
+def test_fault_specs() -> None:
+    def parse(spec: str, **env: str) -> tuple[Fault, ...] | None:
+        faults = fault_from_env({"FULLSHARD_FAULT": spec, **env})
+        return None if faults is None else faults.faults
+
+    assert parse("signal:rank=1:step=3:sig=usr1:repeat=2") == (
+        Fault("signal", 1, 3, signal.SIGUSR1, 2),
+    )
+    assert parse("signal:step=3") == (Fault("signal", 0, 3, signal.SIGTERM, 1),)
     with pytest.raises(FullshardError, match="sig=TERM or sig=USR1"):
-        fault_from_env()
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted attempt: no fault
-    assert fault_from_env() is None
+        parse("signal:sig=KILL")
+    both = parse("kill:rank=2:step=6+freeze:rank=1:step=4:secs=12:at=recovery")
+    assert both == (
+        Fault("kill", 2, 6),
+        Fault("freeze", 1, 4, secs=12.0, at="recovery"),
+    )
+    with pytest.raises(FullshardError, match="at= is step, or recovery for kill"):
+        parse("nan:rank=1:at=recovery")  # a NaN is a step's, not a recovery's
+    with pytest.raises(FullshardError, match="at= is step"):
+        parse("kill:at=later")
+    assert parse("kill:step=3", TORCHELASTIC_RESTART_COUNT="1") is None  # a restarted attempt
+    assert parse("kill:step=3", FULLSHARD_ELASTIC_JOIN="7") is None  # a replacement
+    assert fault_from_env({}) is None
+
+
+def test_faults_fire_where_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step fault fires at its step only; an at=recovery fault only in a recovery from its
+    step or later, on its rank; freeze ranks are the launcher's to spare."""
+    slept: list[float] = []
+    monkeypatch.setattr(faults_mod.time, "sleep", slept.append)  # ``hang`` sleeps
+    faults = fault_from_env(
+        {"FULLSHARD_FAULT": "hang:rank=1:step=3+hang:rank=0:step=5:at=recovery+freeze:rank=2"}
+    )
+    assert faults is not None and faults.frozen_ranks() == {2}
+    assert not faults.at_step(2, 1) and not faults.at_step(3, 0) and slept == []
+    assert not faults.at_step(3, 1) and len(slept) == 1  # the step fault, once
+    assert not faults.at_step(5, 0) and len(slept) == 1  # at=recovery: not in a step
+    faults.at_recovery(4, 0)  # a failure before its step
+    faults.at_recovery(5, 1)  # another rank
+    assert len(slept) == 1
+    faults.at_recovery(6, 0)
+    assert len(slept) == 2

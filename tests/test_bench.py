@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -75,9 +76,11 @@ def test_writes_json_table_and_plot(bench: tuple[int, Path, dict[str, Any]]) -> 
     for fig in summary["variants"].values():
         assert fig["step_ms_median"] > 0
         assert len(fig["step_ms_rounds"]) == 2
-        # on CPU the host does the work as it issues it: issue time is (almost all) step time
+        # issue time is part of the step; how large a part is timing (gloo's all-reduce for DDP
+        # runs on its own thread, so the host may finish issuing before it ends): any share
         assert 0 < fig["issue_ms_median"] <= fig["step_ms_median"]
-        assert fig["issue_fraction"] == pytest.approx(1.0, abs=0.05)
+        ratio = statistics.median(fig["issue_ms_rounds"]) / statistics.median(fig["step_ms_rounds"])
+        assert fig["issue_fraction"] == pytest.approx(ratio) and 0 < ratio <= 1
         assert fig["tokens_per_step"] == 2 * 16
         assert fig["tokens_per_s"] > 0
     assert summary["variants"]["ddp"]["step_vs_ddp"] == pytest.approx(1.0)

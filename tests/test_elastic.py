@@ -244,15 +244,17 @@ def test_two_lost_ranks_are_replaced_in_memory_and_the_weights_are_the_same_bits
     reference_sha: str,
 ) -> None:
     run = ["--runs-dir", str(tmp_path), "--name", "elastic"]
-    assert _elastic(run, monkeypatch, "kill:rank=2:step=3+kill:rank=0:step=6") == 0
+    # rank 2 in the first step (the boundary before any update holds no shard: any survivor's
+    # copy restores it), rank 0 later
+    assert _elastic(run, monkeypatch, "kill:rank=2:step=1+kill:rank=0:step=6") == 0
     err = capfd.readouterr().err
     before = json.loads(re.search(r"ranks 0-3 are pids (\[.*\])", err).group(1))  # type: ignore[union-attr]
     summary = json.loads((tmp_path / "elastic" / "summary.json").read_text())
     assert summary["process_restarts"] == 0 and summary["resumed_from"] is None
-    # each loss replays from the newest boundary whose copies were sent (a step before it)
+    # the first loss replays step 1; the second from the newest boundary whose copies were sent
     lost = {"reason": "loss", "world_size": 4, "ranks_left": []}
     assert _changes(summary) == [
-        {"step": 2, **lost, "ranks_lost": [2], "ranks_joined": [2]},
+        {"step": 1, **lost, "ranks_lost": [2], "ranks_joined": [2]},
         {"step": 5, **lost, "ranks_lost": [0], "ranks_joined": [0]},
     ]
     assert summary["pids_at_start"] == before
@@ -346,3 +348,25 @@ def test_ring_neighbours_lost_together_end_the_job_naming_the_newest_checkpoint(
     # rank 1's copy was on rank 2 (lost too); rank 2's on rank 3, alive
     assert "the shards of rank(s) [1] of generation 0 are held by no survivor" in err, err
     assert f"resume from the newest complete checkpoint with --resume {newest}" in err, err
+
+
+@pytest.mark.e2e
+def test_a_hung_rank_is_fenced_killed_and_replaced_with_the_same_bits(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    reference_sha: str,
+) -> None:
+    """Rank 1 hangs in step 4, alive and beating (NOTE [Fencing]): its peer's collective outlives
+    --timeout, the decider finds its step unmoved and fences it, the launcher kills it and starts
+    a replacement, which restores from the survivor's copies."""
+    run = ["--runs-dir", str(tmp_path), "--name", "hung", "--timeout", "16"]
+    assert _elastic(run, monkeypatch, "hang:rank=1:step=4", nproc=2) == 0
+    err = capfd.readouterr().err
+    assert re.search(r"member 1 \(pid \d+\) was fenced \(.*\(hung\)\): killed", err), err
+    summary = json.loads((tmp_path / "hung" / "summary.json").read_text())
+    assert [(c["ranks_lost"], c["ranks_joined"]) for c in summary["membership"]] == [([1], [1])]
+    after, before = summary["pids"], summary["pids_at_start"]
+    assert after[0] == before[0] and after[1] != before[1]  # the survivor kept its process
+    ckpt = tmp_path / "hung" / "checkpoints" / "step_00000008"
+    assert _sha(ckpt, tmp_path / "hung.safetensors") == reference_sha

@@ -585,8 +585,12 @@ class Manager:
         del parts, sends  # (views of this rank's host copies, which are cleared below)
         blocks, whole = assemble(received, boxes[m.rank])
         model_sd, optim_sd, loop_state = state_dicts(blocks, whole, like)
-        if optim_sd["param_groups"] is not None:  # else before the first update: as built
+        if optim_sd["param_groups"] is not None:
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        else:  # before the first update: as built, and a built optimizer holds no state (the
+            # layout read above made some, with AdamW's step count at 1: a replayed step 1
+            # would then correct its moments as a second step's)
+            optimizer.state.clear()
         self.changes = list(loop_state.pop(MEMBERSHIP, []))
         state.clear()
         state.update(loop_state)

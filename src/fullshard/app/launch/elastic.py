@@ -78,6 +78,7 @@ def launch_elastic(
     from fullshard.app.errors import ERROR_MARKER_ENV, VALIDATED_ENV, read_error
     from fullshard.app.launch.local import RANK_PRELOAD, run_rank, start_helpers
     from fullshard.app.launch.preempt import MARKER_ENV, PREEMPTED_EXIT, ForwardSignals, read_marker
+    from fullshard.app.train.faults import fault_from_env
     from fullshard.elastic.membership import (
         JOIN_ENV,
         MEMBER_ENV,
@@ -103,6 +104,8 @@ def launch_elastic(
         }
     )
     ctx = multiprocessing.get_context("forkserver")
+    fault = fault_from_env(base)
+    spared = set() if fault is None else fault.frozen_ranks()  # member ids 0.. are the ranks
     start_helpers(RANK_PRELOAD)
     procs: dict[int, Any] = {}  # member id -> its process
     slots: dict[int, int] = {}  # member id -> the local slot (device) it runs on
@@ -162,26 +165,27 @@ def launch_elastic(
                 stop_all()
                 print(f"fullshard: {aborted}", file=sys.stderr)
                 return 1
-            for member, why in jobs.fenced().items():  # NOTE [Fencing]: never again
+            lost: dict[int, str] = {}
+            for member, why in jobs.fenced().items():  # NOTE [Fencing]: lost, and never again
                 p = procs.get(member)
-                if p is not None and p.is_alive():
-                    print(f"fullshard: member {member} (pid {p.pid}) was fenced ({why}): killed",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    p.kill()
-                    p.join(10)
-            lost_now = False
-            for member, p in list(procs.items()):
-                # a rank that stopped on a stop signal, checkpointed, is not lost
-                if p.exitcode in (None, 0, PREEMPTED_EXIT) or member in reported:
+                if p is None or member in reported:
                     continue
+                if member in spared:  # a drill's frozen rank: its own fencing ends it
+                    lost[member] = f"was fenced ({why}); left alone (a drill's frozen rank)"
+                    continue
+                p.kill()
+                p.join(10)
+                lost[member] = f"was fenced ({why}): killed"
+            for member, p in procs.items():
+                # a rank that stopped on a stop signal, checkpointed, is not lost
+                if p.exitcode not in (None, 0, PREEMPTED_EXIT) and member not in reported:
+                    lost.setdefault(member, f"exited with status {p.exitcode}")
+            lost_now = bool(lost)
+            for member, what in sorted(lost.items()):
+                p = procs[member]
                 reported.add(member)
-                lost_now = True
-                print(
-                    f"fullshard: member {member} (pid {p.pid}) exited with status {p.exitcode}; "
-                    "the other ranks keep running",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print(f"fullshard: member {member} (pid {p.pid}) {what}; the other ranks keep "
+                      "running", file=sys.stderr, flush=True)  # fmt: skip
                 if replaced >= max_replacements:  # the others go on without it, if they can
                     jobs.report_exit(member, p.exitcode, None)
                     continue

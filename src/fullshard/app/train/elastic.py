@@ -206,11 +206,11 @@ class ElasticTrainer(Trainer):
                       "process ends, and is replaced", file=sys.stderr, flush=True)  # fmt: skip
                 raise SystemExit(1) from None
             _drop_frames(exc)  # the failed step's frames hold its activations
-            return self.recover(exc) + 1
+            return self.recover(exc, step) + 1
 
-    def recover(self, error: Exception) -> int:
-        """After ``error`` in a step: the new membership, this trainer rebuilt for it and the
-        newest boundary restored; that boundary's step. A loss during recovery starts it again
+    def recover(self, error: Exception, step: int) -> int:
+        """After ``error`` in step ``step``: the new membership, this trainer rebuilt for it and
+        the newest boundary restored; that boundary's step. A loss during recovery starts it again
         with the next generation (at most RECOVERY_ATTEMPTS in a row); a loss that cannot be
         recovered ends the job. The old generation's model, optimizer and steps are let go
         before the new ones are built, which on a GPU would otherwise sit beside them."""
@@ -218,6 +218,8 @@ class ElasticTrainer(Trainer):
         for attempt in range(1, RECOVERY_ATTEMPTS + 1):
             try:
                 m = self.mgr.recover(error)
+                if self.fault is not None:  # a drill: a loss during this recovery
+                    self.fault.at_recovery(step, self.rank)
                 self._release()
                 self.build(m.rank, m.world)
                 done = self.restore(newest)

@@ -7,6 +7,10 @@
   once (its node lost; for runs under torchrun, one agent per node);
 - ``hang``: the process stops in a sleep longer than any timeout (a stuck rank; its threads,
   the heartbeat among them, go on);
+- ``freeze``: the process stops (SIGSTOP) for ``secs`` seconds (default 30), then continues (a
+  helper process sends SIGCONT): a rank frozen past its fencing that wakes later, a zombie.
+  ``--elastic``'s launcher leaves a frozen rank alone (as a launcher that cannot reach it
+  would), so that what ends the zombie is its own fencing when it wakes (NOTE [Fencing]);
 - ``cudaerror``: the step raises the error a sticky CUDA fault gives (an illegal memory access:
   every later CUDA call of the process would fail too);
 - ``hold``: the process waits until new processes that can be admitted ask to join the job
@@ -16,6 +20,10 @@
 - ``signal``: the rank sends itself a stop signal (``sig=TERM`` or ``sig=USR1``, default TERM)
   as step S starts, as if preempted there; with ``repeat=2`` it sends the same signal again as
   the preemption checkpoint's save starts (a second signal during the save).
+
+With ``at=recovery`` a fault fires instead when rank R (its rank in the generation that failed)
+starts recovering from a failure in step S or later, once the next generation is settled and
+before its state is restored: a loss during a recovery (``kill``, ``node``, ``hang``, ``freeze``).
 
 Faults fire only in the first attempt of a job (``TORCHELASTIC_RESTART_COUNT`` 0), so that a run
 under ``torchrun --max-restarts`` can show its recovery, and only in the first process of a rank
@@ -28,8 +36,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +48,8 @@ from fullshard.policies import FullshardError
 
 __all__ = ["Fault", "Faults", "NonFiniteError", "agree_step", "fault_from_env"]
 
-KINDS = ("kill", "node", "hang", "hold", "nan", "signal", "cudaerror")
+KINDS = ("kill", "node", "hang", "freeze", "hold", "nan", "signal", "cudaerror")
+AT_RECOVERY = ("kill", "node", "hang", "freeze")  # the kinds that may fire at=recovery
 
 
 class NonFiniteError(FullshardError):
@@ -53,6 +63,8 @@ class Fault:
     step: int
     sig: signal.Signals = signal.SIGTERM
     repeat: int = 1
+    secs: float = 30.0  # freeze
+    at: str = "step"  # or "recovery"
 
     def _send(self, rank: int, when: str) -> None:
         print(f"[fault] rank {rank} sends itself {self.sig.name} {when}", flush=True)
@@ -61,8 +73,19 @@ class Fault:
     def at_step(self, step: int, rank: int, joining: Callable[[], bool] | None = None) -> bool:
         """Apply the fault if it is due; returns True when the loss must become NaN.
         ``joining``: whether a process waits to join the job (for ``hold``)."""
-        if step != self.step or rank != self.rank:
+        if step != self.step or rank != self.rank or self.at != "step":
             return False
+        return self._apply(step, rank, joining)
+
+    def at_recovery(self, failed_step: int, rank: int) -> None:
+        """Apply an ``at=recovery`` fault if it is due: ``rank`` (its rank in the generation
+        that failed) recovers from a failure in step ``failed_step``."""
+        if self.at == "recovery" and rank == self.rank and failed_step >= self.step:
+            print(f"[fault] rank {rank} is lost while recovering from step {failed_step}",
+                  flush=True)  # fmt: skip
+            self._apply(failed_step, rank, None)
+
+    def _apply(self, step: int, rank: int, joining: Callable[[], bool] | None) -> bool:
         if self.kind == "hold" and joining is not None:
             print(f"[fault] rank {rank} holds step {step} until a process asks to join", flush=True)
             # (the others wait in a collective meanwhile: well inside its timeout)
@@ -80,6 +103,8 @@ class Fault:
         if self.kind == "hang":
             print(f"[fault] rank {rank} hangs at step {step}", flush=True)
             time.sleep(10**6)
+        if self.kind == "freeze":
+            _freeze(rank, step, self.secs)
         if self.kind == "cudaerror":
             print(f"[fault] rank {rank}'s device fails at step {step}", flush=True)
             raise RuntimeError("CUDA error: an illegal memory access was encountered (a drill)")
@@ -101,9 +126,27 @@ class Faults:
         poisons = [f.at_step(step, rank, joining) for f in self.faults]
         return any(poisons)
 
+    def at_recovery(self, failed_step: int, rank: int) -> None:
+        for f in self.faults:
+            f.at_recovery(failed_step, rank)
+
     def at_preemption_save(self, rank: int) -> None:
         for f in self.faults:
             f.at_preemption_save(rank)
+
+    def frozen_ranks(self) -> set[int]:
+        """The ranks a ``freeze`` fault stops (the launcher leaves them alone)."""
+        return {f.rank for f in self.faults if f.kind == "freeze"}
+
+
+def _freeze(rank: int, step: int, secs: float) -> None:
+    """Stop this whole process (every thread: the heartbeat too) for ``secs`` seconds."""
+    pid = os.getpid()
+    print(f"[fault] rank {rank} (pid {pid}) freezes at step {step} for {secs:g} s", flush=True)
+    wake = f"sleep {secs:g}; echo '[fault] pid {pid} continued'; kill -CONT {pid}"
+    subprocess.Popen(["sh", "-c", wake], start_new_session=True)  # outlives a stop signal too
+    os.kill(pid, signal.SIGSTOP)
+    print(f"[fault] rank {rank} (pid {pid}) woke", flush=True)
 
 
 def _kill_node() -> None:
@@ -125,14 +168,16 @@ def _kill_node() -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def fault_from_env() -> Fault | Faults | None:
-    spec = os.environ.get("FULLSHARD_FAULT", "")
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+def fault_from_env(env: Mapping[str, str] | None = None) -> Faults | None:
+    """The faults ``FULLSHARD_FAULT`` asks for in ``env`` (default: this process's
+    environment), or None where none fire (a restart, a replacement)."""
+    env = os.environ if env is None else env
+    spec = env.get("FULLSHARD_FAULT", "")
+    if not spec or int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
-    if os.environ.get("FULLSHARD_ELASTIC_JOIN"):  # an --elastic replacement
+    if env.get("FULLSHARD_ELASTIC_JOIN"):  # an --elastic replacement
         return None
-    faults = tuple(_parse(part) for part in spec.split("+"))
-    return faults[0] if len(faults) == 1 else Faults(faults)
+    return Faults(tuple(_parse(part) for part in spec.split("+")))
 
 
 def _parse(spec: str) -> Fault:
@@ -143,12 +188,19 @@ def _parse(spec: str) -> Fault:
     name = values.get("sig", "TERM").upper().removeprefix("SIG")
     if name not in ("TERM", "USR1"):
         raise FullshardError(f"FULLSHARD_FAULT: sig={name}: use sig=TERM or sig=USR1")
+    at = values.get("at", "step")
+    if at not in ("step", "recovery") or (at == "recovery" and kind not in AT_RECOVERY):
+        raise FullshardError(
+            f"FULLSHARD_FAULT: {spec}: at= is step, or recovery for {', '.join(AT_RECOVERY)}"
+        )
     return Fault(
         kind,
         int(values.get("rank", 0)),
         int(values.get("step", 1)),
         signal.Signals["SIG" + name],
         int(values.get("repeat", 1)),
+        float(values.get("secs", 30)),
+        at,
     )
 
 
