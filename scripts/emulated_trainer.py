@@ -1,5 +1,6 @@
 """``fullshard train`` on its CUDA code path, checked on CPU, in every configuration the engine's
-emulated test runs (``tests/test_cuda_emulation_engine.py``) and the trainer's own modes.
+emulated test runs (``tests/test_cuda_emulation_engine.py``) and the trainer's own modes, live
+recovery from a rank lost in step 1 and from a hung rank included.
 
     python scripts/emulated_trainer.py                  # every configuration, 4 ranks
     python scripts/emulated_trainer.py --only offload,deterministic
@@ -51,7 +52,16 @@ CONFIGS: dict[str, tuple[list[str], int]] = {
         0,
     ),
     "elastic": (["--elastic", "--deterministic", "--micro-batch-size", "2"], 0),
+    # live recovery's mechanisms on the CUDA path (FAULTS): a loss in step 1, a hung rank fenced
+    "elastic_step1": (["--elastic", "--deterministic", "--micro-batch-size", "2"], 0),
+    "elastic_hang": (
+        ["--elastic", "--deterministic", "--micro-batch-size", "2", "--timeout", "24"],
+        0,
+    ),
 }
+# name -> FULLSHARD_FAULT; the step a fault hits and the first step replayed after it are not
+# quiet (the recovery and the rebuilt model's lazy init run there)
+FAULTS = {"elastic_step1": "kill:rank=3:step=1", "elastic_hang": "hang:rank=2:step=3"}
 
 
 def run(name: str, nproc: int, work: Path) -> dict[str, Any]:
@@ -61,6 +71,7 @@ def run(name: str, nproc: int, work: Path) -> dict[str, Any]:
         "PYTHONPATH": str(ROOT / "src"),
         "OMP_NUM_THREADS": "1",
         "FULLSHARD_CUDA_EMULATION": "1",
+        "FULLSHARD_FAULT": FAULTS.get(name, ""),
     }
     cmd = [sys.executable, "-m", "fullshard.app.cli", "train", *COMMON, "--nproc", str(nproc)]
     cmd += [*flags, "--runs-dir", str(work), "--name", name]
@@ -69,14 +80,20 @@ def run(name: str, nproc: int, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"flags": flags, "accepted": accepted, "status": proc.returncode}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     if proc.returncode != 0:
-        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-2:]
-        out["error"] = " | ".join(line[:300] for line in tail)
+        lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        # the error itself (an ordering error, a kernel contract), else the output's end
+        errors = [ln for ln in lines if "Error: " in ln and not ln.startswith(" ")]
+        out["error"] = " | ".join(line[:400] for line in (errors[:1] or lines[-2:]))
         out["ok"] = False
         return out
     summary = json.loads((work / name / "summary.json").read_text())
     syncs = {int(k): v for k, v in summary["host_syncs_per_step"].items()}
     last = max(syncs)
-    quiet = {s: n for s, n in syncs.items() if s not in (1, last)}  # log-every = the last step
+    loud = {1, last}  # (log-every = the last step)
+    if name in FAULTS:
+        loud.add(int(FAULTS[name].split("step=")[1].split(":")[0]))
+        loud |= {c["step"] for c in summary.get("membership", [])}
+    quiet = {s: n for s, n in syncs.items() if s not in loud}
     out.update(syncs=syncs, quiet=sorted(set(quiet.values())), filled=summary["filled_bytes"])
     out["ok"] = set(quiet.values()) == {accepted} and summary["filled_bytes"] == 0
     return out
