@@ -89,6 +89,8 @@ class CopyInGroup(ExtensionGroup):
         return p.local
 
     def _install(self, i: int, local: torch.Tensor) -> None:
+        if self.pin_memory and not local.is_meta and not local.is_pinned():
+            local = local.pin_memory()  # offload: the gather's host-to-device copy is async
         p = self.params[i]
         p.set_sharded_data(local)
         if p.local is not local:  # DTensor.from_local unwraps a __torch_function__ subclass
