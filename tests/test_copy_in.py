@@ -1,7 +1,8 @@
 """All-gather extensions whose shard is a tensor of its own (NOTE [Shards of their own] in
 ``engine/copy_in.py``): subclasses the flat buffer cannot hold, and hooks attached to the local
 tensor after ``fully_shard``. Two ranks as two threads of this process (torch's threaded process
-group), under both imports, each against one process in float64.
+group), under both imports, each against one process in float64 (under fullshard its full state
+dict too, of the subclass's type).
 
 - torch's ``TwoTensor`` (two inner tensors, ``a`` and ``b``) with class hooks of both arities;
 - a ``TwoTensor`` without hooks, sharded on the meta device, materialised with ``to_empty``, the
@@ -198,10 +199,24 @@ def _run(impl: str, kind: str, attach_after: bool = False) -> dict[int, dict[str
         for p, r in zip(model.parameters(), ref.parameters(), strict=True):
             for mine, want in zip(_inner(p._local_tensor), _inner(r), strict=True):
                 diff = max(diff, float((mine - _rows(want, rank)).abs().max()))
+        full_diff = 0.0  # fullshard's full state dict: DTensor's full_tensor() of each shard
+        if impl == "fullshard":
+            from fullshard.checkpoint.export import full_state_dict
+
+            want = dict(ref.named_parameters())
+            for k, v in full_state_dict(model, rank0_only=False).items():
+                assert type(v) is type(want[k]), (k, type(v))
+                both = zip(_inner(v), _inner(want[k]), strict=True)
+                full_diff = max([full_diff, *(float((a - b).abs().max()) for a, b in both)])
         local_types = {type(p._local_tensor).__name__ for p in model.parameters()}
         loss_diff = max(float((a - torch.stack(_inner(b))).abs().max()) for a, b in
                         zip(losses, ref_losses, strict=True))  # fmt: skip
-        out[rank] = {"diff": diff, "loss_diff": loss_diff, "types": local_types, "calls": calls[0]}
+        out[rank] = {
+            "diff": max(diff, full_diff),
+            "loss_diff": loss_diff,
+            "types": local_types,
+            "calls": calls[0],
+        }
 
     try:
         train(object())
