@@ -24,7 +24,7 @@ class Tagged(torch.Tensor):
 
 
 class TaggedWithHooks(Tagged):
-    """Hooks, but no ``__tensor_flatten__``: fullshard cannot find its values to wrap."""
+    """Hooks, but no ``__tensor_flatten__``: its shard is a tensor of its own (copy_in.py)."""
 
     def fsdp_pre_all_gather(self, mesh: Any) -> Any:
         return (self.as_subclass(torch.Tensor),), None
@@ -62,16 +62,38 @@ def _error(module: nn.Module, **kwargs: Any) -> str:
     return str(info.value)
 
 
-def test_subclass_without_hooks_is_refused_with_the_fix(fake_pg: tuple[int, int]) -> None:
-    msg = _error(_linear(Tagged))
-    assert "rank 1" in msg and "'weight'" in msg and "unit Linear" in msg, msg
+def test_subclass_without_hooks_is_refused_at_its_first_gather_with_the_fix(
+    fake_pg: tuple[int, int],
+) -> None:
+    """FSDP2 lets hooks be attached to the local tensor after fully_shard: the first gather
+    still without them refuses (a plain gather would lose what the subclass does)."""
+    lin = _linear(Tagged)
+    fully_shard(lin)
+    assert type(lin.weight._local_tensor) is Tagged
+    with pytest.raises(FullshardError) as info:
+        lin(torch.randn(2, 4))
+    msg = str(info.value)
+    assert "rank 1:" in msg and "'weight' on ranks [0, 1, 2, 3]" in msg, msg
+    assert "unit 'root'" in msg, msg
     assert "Tagged" in msg and "fsdp_pre_all_gather" in msg and "as_subclass" in msg, msg
+    assert "_local_tensor" in msg, msg
+
+
+def test_subclass_without_flatten_keeps_a_shard_of_its_own(fake_pg: tuple[int, int]) -> None:
+    """NOTE [Shards of their own]: no __tensor_flatten__, so no flat-buffer view to wrap."""
+    lin = _linear(TaggedWithHooks)
+    fully_shard(lin)
+    local = lin.weight._local_tensor
+    assert type(local) is TaggedWithHooks and local.shape == (2, 4)  # rank 1's rows of 6
+    lin(torch.randn(2, 4)).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad._local_tensor.shape == (2, 4)
+    torch.optim.SGD(lin.parameters(), lr=0.1).step()
+    assert lin.weight._local_tensor is local  # stepped in place
 
 
 @pytest.mark.parametrize(
     "cls,says",
     [
-        (TaggedWithHooks, "__tensor_flatten__"),
         (OnlyPre, "add fsdp_post_all_gather"),
         (ThreeArgs, "takes 2 arguments"),
     ],

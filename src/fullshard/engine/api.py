@@ -37,12 +37,12 @@ from fullshard.engine.hooks import FSDPState
 from fullshard.engine.local_step import LOCAL_STEPS
 from fullshard.engine.param import ShardedParam, local_of
 from fullshard.engine.placement import ShardPlacementFn, shard_dims
+from fullshard.engine.spmd import SpmdMesh
 from fullshard.engine.state_dict_hooks import install_state_dict_hooks
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import (
     CPUOffloadPolicy,
     FullshardError,
-    FullshardNotImplementedError,
     FullshardValueError,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -108,8 +108,10 @@ def fully_shard(
             shard group size (of the TP-local tensor for a tensor-parallel parameter);
             all-gather-extension parameters take dim 0.
             The unit still moves in one all-gather and one reduce-scatter.
-        dp_mesh_dims: FSDP2's ``DataParallelMeshDims`` (the data-parallel dims of a full SPMD
-            mesh whose parameters are DTensors on it): not supported yet; ``None`` only.
+        dp_mesh_dims: FSDP2's ``DataParallelMeshDims``: ``mesh`` is then the whole SPMD mesh
+            the parameters are DTensors on (``Replicate()`` on its data-parallel dims), and
+            the unit shards over the dim named ``shard`` (replicating over ``replicate``):
+            NOTE [SPMD meshes] in spmd.py. One name each.
 
     Returns:
         ``module`` (the list, for a list), changed in place.
@@ -117,14 +119,10 @@ def fully_shard(
     modules = list(module) if isinstance(module, list) else [module]
     check_modules(modules)
     unit_name = "unit " + "+".join(type(m).__name__ for m in modules)
+    spmd = None  # NOTE [SPMD meshes]: the unit shards over the data-parallel submesh
     if dp_mesh_dims is not None:
-        raise FullshardNotImplementedError(
-            f"fully_shard(..., dp_mesh_dims={dp_mesh_dims!r}) for {unit_name}: fullshard does "
-            "not shard parameters that are DTensors on a full SPMD mesh yet. Pass the "
-            "data-parallel submesh instead, fully_shard(module, mesh=mesh['dp']) (a 2-D "
-            "mesh[('dp_replicate', 'dp_shard')] for HSDP), with tensor-parallel parameters on "
-            "mesh['tp'] (torchtitan: leave its SPMD mode off)."
-        )
+        spmd = SpmdMesh.of(mesh, dp_mesh_dims, unit_name)
+        mesh = spmd.dp_mesh
     mp_policy, offload_policy = _our_policies(mp_policy, offload_policy)
     ignored = owned_ignored(modules, ignored_params or ())
     found, nested = collect(modules, ignored)
@@ -135,7 +133,10 @@ def fully_shard(
         install_cpu_shard_rng()  # NOTE [Init after sharding]
     raf = _reshard_arg(reshard_after_forward, info, unit_name)
     check_params(found, children, unit_name, modules)
-    tp = check_tensor_parallel(found, info, unit_name)
+    if spmd is None:
+        tp = check_tensor_parallel(found, info, unit_name)
+    else:
+        tp = list(spmd.specs([(f.fqns[0], f.param) for f in found], unit_name))
     if any(tp) and isinstance(raf, int) and not isinstance(raf, bool):
         raise FullshardError(
             f"{unit_name} (rank {info.rank}) holds tensor-parallel parameters; "

@@ -226,7 +226,7 @@ def check_params(
     found: list[Found], children: list[FSDPState], unit_name: str, modules: list[nn.Module]
 ) -> None:
     """Parameters a unit cannot manage: sharded elsewhere, tied across units, 0-dim, integer,
-    tensor subclasses without the all-gather hooks (NOTE [All-gather extensions])."""
+    tensor subclasses whose all-gather hooks are unusable (NOTE [All-gather extensions])."""
     child_path = {
         id(m): name
         for module in modules

@@ -68,7 +68,7 @@ def has_extension_hooks(t: torch.Tensor) -> bool:
     return hasattr(t, PRE) or hasattr(t, POST)
 
 
-def _data_name(t: torch.Tensor) -> str | None:
+def data_name(t: torch.Tensor) -> str | None:
     """The inner tensor of a traceable subclass that holds its values (its shape and dtype)."""
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is None or not hasattr(type(t), "__tensor_unflatten__"):
@@ -81,7 +81,7 @@ def _data_name(t: torch.Tensor) -> str | None:
 def values_of(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding a subclass's values (``t`` itself when plain)."""
     while is_tensor_subclass(t):
-        name = _data_name(t)
+        name = data_name(t)
         assert name is not None  # checked by extension_problem at fully_shard
         t = getattr(t, name)
     return t
@@ -89,6 +89,28 @@ def values_of(t: torch.Tensor) -> torch.Tensor:
 
 def _pre_arity(t: torch.Tensor) -> int:
     return len(inspect.signature(getattr(t, PRE)).parameters)
+
+
+def _arity_problem(t: torch.Tensor) -> str:
+    return (
+        f"is a {type(t).__name__} whose {PRE} takes {_pre_arity(t)} arguments; torch FSDP2's "
+        f"contract is {PRE}(self, mesh) or {PRE}(self, mesh, outer_size, outer_stride, module, "
+        "mp_policy)."
+    )
+
+
+def no_hooks_problem(t: torch.Tensor) -> str:
+    """What to do about a tensor subclass gathered without the hooks."""
+    return (
+        f"is a {type(t).__name__}, a tensor subclass without FSDP2's all-gather extension hooks "
+        f"({PRE} / {POST}) at its first all-gather; fullshard would gather it as a plain "
+        "tensor and lose what the subclass does. Implement both hooks on the class, or attach "
+        "them to the sharded parameter's local tensor (param._local_tensor, after fully_shard "
+        "and to_empty) before the first forward (torch FSDP2's contract; docs/design.md, "
+        "'All-gather extensions'), or make it a plain parameter before fully_shard: "
+        "nn.Parameter(p.detach().as_subclass(torch.Tensor)) for a subclass with its own "
+        "storage, or its inner tensor for a wrapper."
+    )
 
 
 def extension_problem(t: torch.Tensor) -> str | None:
@@ -104,31 +126,12 @@ def extension_problem(t: torch.Tensor) -> str | None:
         )
     has_pre, has_post = hasattr(t, PRE), hasattr(t, POST)
     if not has_pre and not has_post:
-        return (
-            f"is a {kind}, a tensor subclass without FSDP2's all-gather extension hooks "
-            f"({PRE} / {POST}); fullshard would gather it as a plain tensor and lose what "
-            "the subclass does. Implement both hooks (the contract of torch FSDP2, which "
-            "torchao's float8 weights follow; docs/design.md, 'All-gather extensions'), or "
-            "make it a plain parameter before fully_shard: "
-            "nn.Parameter(p.detach().as_subclass(torch.Tensor)) for a subclass with its own "
-            "storage, or its inner tensor for a wrapper."
-        )
+        return None  # hooks may still be attached to the local tensor (copy_in.py)
     if has_pre != has_post:
         missing = POST if has_pre else PRE
         return f"is a {kind} that defines only one of the all-gather hooks: add {missing}."
     if _pre_arity(t) not in (1, 5):
-        return (
-            f"is a {kind} whose {PRE} takes {_pre_arity(t)} arguments; torch FSDP2's contract "
-            f"is {PRE}(self, mesh) or {PRE}(self, mesh, outer_size, outer_stride, module, "
-            "mp_policy)."
-        )
-    if _data_name(t) is None:
-        return (
-            f"is a {kind} whose values fullshard cannot find: it keeps them in the unit's flat "
-            "shard buffer and wraps a view of it as the subclass, which needs "
-            "__tensor_flatten__ / __tensor_unflatten__ with exactly one inner tensor of the "
-            "parameter's shape and dtype (torchao's float8 weights have them)."
-        )
+        return _arity_problem(t)
     return None
 
 
@@ -143,12 +146,23 @@ class Rewrap:
         t = self.template
         names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
         inner = {n: getattr(t, n) for n in names}
-        inner[_data_name(t) or names[0]] = view
+        inner[data_name(t) or names[0]] = view
         out = type(t).__tensor_unflatten__(  # type: ignore[attr-defined]
             inner, ctx, view.shape, view.stride()
         )
         self.template = out
         return out  # type: ignore[no-any-return]
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """An all-gather input as a plain tensor: a subclass (a hook may return the local tensor
+    itself) is copied out through its own dispatch, as FSDP2's copy-in does."""
+    if not is_tensor_subclass(t):
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        out.copy_(t)
+    return out
 
 
 def _alloc(t: torch.Tensor) -> None:
@@ -182,8 +196,9 @@ class _Input:
 class _Hooked:
     """A parameter's extension state between its hooks."""
 
-    arity: int
     module: nn.Module
+    hook: Any = None  # the pre hook ``arity`` was read from (hooks may be attached later)
+    arity: int = 0
     inputs: list[_Input] = field(default_factory=list)  # agreed at the first gather
     metadata: Any = None
     outputs: list[torch.Tensor] = field(default_factory=list)  # (world * numel,) each
@@ -194,6 +209,7 @@ class ExtensionGroup(ShardGroup):
     """Parameters of one dtype gathered through their subclass's hooks (the NOTE above)."""
 
     extension = True
+    own_shards = False  # a CopyInGroup's shards are tensors of their own (copy_in.py)
 
     def __init__(
         self,
@@ -213,13 +229,12 @@ class ExtensionGroup(ShardGroup):
         self.tag_len = tail  # the tag is written into the send buffer, not the flat shard
         self.mp_policy = mp_policy
         self.index = UNREGISTERED
-        self.hooked = [
-            _Hooked(_pre_arity(t), p.refs[0][0]) for p, t in zip(params, originals, strict=True)
-        ]
+        self.hooked = [_Hooked(p.refs[0][0]) for p in params]
         self.trailer: torch.Tensor | None = None  # padding to 16 bytes, then the tag
         self._mesh: DeviceMesh | None = None
-        for p, t in zip(params, originals, strict=True):
-            p.wrap_local = Rewrap(t)
+        if not self.own_shards:
+            for p, t in zip(params, originals, strict=True):
+                p.wrap_local = Rewrap(t)
 
     # -- the shards: values in the flat buffer, the subclass around them ------------------
     @property
@@ -259,11 +274,23 @@ class ExtensionGroup(ShardGroup):
         return self._mesh
 
     # -- the all-gather -------------------------------------------------------------------
-    def _pre(self, p: ShardedParam, h: _Hooked) -> tuple[torch.Tensor, ...]:
+    def _pre(self, p: ShardedParam, h: _Hooked) -> tuple[torch.Tensor, ...] | None:
+        """The pre hook's inputs on the gather device; None when the local tensor has no hooks
+        (looked up at every gather: FSDP2 lets them be attached to it after fully_shard)."""
         local = p.local
+        if not hasattr(local, PRE) or not hasattr(local, POST):
+            return None
         if local.device != self.mesh.device:  # CPU offload: the hook runs where it gathers
             local = local.to(self.mesh.device, non_blocking=True)
         hook = getattr(local, PRE)
+        fn = getattr(hook, "__func__", hook)
+        if fn is not h.hook:  # a new hook: read its arity once
+            h.hook, h.arity = fn, _pre_arity(local)
+            if h.arity not in (1, 5):
+                raise FullshardError(
+                    f"rank {self.mesh.rank}: parameter '{p.fqn}' of unit '{self.unit_name}' "
+                    f"{_arity_problem(local)}"
+                )
         if h.arity == 1:
             inputs, h.metadata = hook(self.shard_mesh)
         else:
@@ -271,7 +298,7 @@ class ExtensionGroup(ShardGroup):
             inputs, h.metadata = hook(
                 self.shard_mesh, shape, contiguous_stride(shape), h.module, self.mp_policy
             )
-        return tuple(t.to(self.mesh.device) for t in inputs)
+        return tuple(_plain(t.to(self.mesh.device)) for t in inputs)
 
     def wire_parts(self) -> list[torch.Tensor]:
         """Every parameter's hook inputs as bytes (short ranks' rows padded), then the trailer."""
@@ -280,6 +307,11 @@ class ExtensionGroup(ShardGroup):
             self._agree(got)
         parts = []
         for p, h, inputs in zip(self.params, self.hooked, got, strict=True):
+            if inputs is None:  # hooks removed after the first gather
+                raise FullshardError(
+                    f"rank {self.mesh.rank}: parameter '{p.fqn}' of unit '{self.unit_name}' "
+                    f"{no_hooks_problem(p.local)}"
+                )
             mine = [tuple(t.shape) for t in inputs]
             if mine != [i.mine for i in h.inputs]:
                 raise FullshardError(
@@ -298,11 +330,32 @@ class ExtensionGroup(ShardGroup):
         parts.append(self.trailer)
         return parts
 
-    def _agree(self, got: list[tuple[torch.Tensor, ...]]) -> None:
-        """The first gather: every rank's input shapes, matched against rank 0's."""
-        mine = [[(tuple(t.shape), str(t.dtype)) for t in inputs] for inputs in got]
+    def _agree(self, got: list[tuple[torch.Tensor, ...] | None]) -> None:
+        """The first gather: every rank's input shapes, matched against rank 0's (None: the
+        parameter has no hooks on that rank)."""
+        mine = [
+            None if inputs is None else [(tuple(t.shape), str(t.dtype)) for t in inputs]
+            for inputs in got
+        ]
         world = self.mesh.world_size
-        every = all_gather_objects(mine, self.mesh.group) if world > 1 else [mine]
+        every: list[Any] = all_gather_objects(mine, self.mesh.group) if world > 1 else [mine]
+        missing = [
+            (r, p)
+            for r, theirs in enumerate(every)
+            for p, t in zip(self.params, theirs, strict=True)
+            if t is None
+        ]
+        if missing:
+            ranks: dict[str, list[int]] = {}
+            for r, q in missing:
+                ranks.setdefault(q.fqn, []).append(r)
+            where = "; ".join(f"'{n}' on ranks {rs}" for n, rs in list(ranks.items())[:6])
+            p = missing[0][1]
+            raise FullshardError(
+                f"rank {self.mesh.rank}: parameters of unit '{self.unit_name}' have no "
+                f"all-gather hooks at its first gather ({where}). Parameter '{p.fqn}' "
+                f"{no_hooks_problem(p.local)}"
+            )
         ref = every[0]
         problems = []
         for r, theirs in enumerate(every):
@@ -329,6 +382,7 @@ class ExtensionGroup(ShardGroup):
                 "this rank's own rows)."
             )
         for h, inputs, ref_inputs in zip(self.hooked, got, ref, strict=True):
+            assert inputs is not None
             h.inputs = [
                 _Input(tuple(shape0), t.dtype, tuple(t.shape))
                 for t, (shape0, _) in zip(inputs, ref_inputs, strict=True)

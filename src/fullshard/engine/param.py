@@ -39,18 +39,17 @@ output. The engine itself only ever touches the local tensors (``ShardedParam.lo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
 from fullshard.comm.desync import UNREGISTERED, write_static_tag
 from fullshard.comm.mesh import MeshInfo
+from fullshard.engine.spmd import TPSpec
 from fullshard.policies import FullshardError
 from fullshard.shard.layout import FlatLayout, chunk_of, contiguous_stride, local_shape
 
@@ -60,44 +59,6 @@ try:  # FSDP2's own constructor: no autograd, no argument checks (10x cheaper th
     )
 except ImportError:  # pragma: no cover - older torch
     _no_grad_dtensor = None  # type: ignore[assignment]
-
-
-@dataclass(frozen=True)
-class TPSpec:
-    """A parameter that already was a DTensor on another mesh (tensor parallel) when
-    ``fully_shard`` saw it: that mesh, its placements and the parameter's global shape.
-
-    NOTE [Tensor parallel parameters]
-    fullshard shards a tensor-parallel parameter's *local* tensor over the data-parallel mesh,
-    as FSDP2 does: the unit's layout, gathers and reduce-scatters only ever see TP-local
-    tensors. Around them, three views keep torch's DTensor contract:
-    - the sharded parameter is a DTensor on the concatenated (data-parallel, TP) mesh, with
-      ``Shard(0)`` over the data-parallel dims (``_StridedShard(0, split_factor=tp)`` when TP
-      also shards dim 0, since the data-parallel split happens inside each TP shard) followed by
-      TP's own placements; so ``full_tensor()``, DCP and ``clip_grad_norm_`` see the whole;
-    - the gathered parameter the module computes with is a DTensor on the TP mesh with TP's
-      placements, over the gathered storage, which TP's module hooks expect;
-    - its gradient arrives as a DTensor on the TP mesh; its local tensor is what is reduced.
-    """
-
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
-    shape: torch.Size
-    stride: tuple[int, ...]
-
-    @staticmethod
-    def of(param: torch.Tensor) -> TPSpec | None:
-        if not isinstance(param, DTensor):
-            return None
-        return TPSpec(param.device_mesh, tuple(param.placements), param.shape, param.stride())
-
-    def local_part(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's TP slice of a full (global) tensor: no communication."""
-        shape, offset = compute_local_shape_and_global_offset(
-            self.shape, self.mesh, list(self.placements)
-        )
-        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-        return full[index]
 
 
 def local_of(t: Any) -> Any:
@@ -218,7 +179,7 @@ class ShardedParam:
         """The mesh of the sharded DTensor: the unit's, joined with TP's under TP."""
         if self.tp is None:
             return self.mesh.device_mesh  # type: ignore[no-any-return]
-        return DeviceMesh._concatenate([self.mesh.device_mesh, self.tp.mesh])
+        return self.tp.sharded_mesh(self.mesh.device_mesh)
 
     @property
     def spmd_placements(self) -> tuple[Placement, ...]:
@@ -226,15 +187,7 @@ class ShardedParam:
         dp: tuple[Placement, ...] = self.mesh.placements
         if self.dim:  # the shard dim is the last mesh dim's (HSDP: after Replicate())
             dp = (*dp[:-1], Shard(self.dim))
-        if self.tp is None:
-            return dp
-        split = 1  # TP's shards of the dim the data-parallel ranks shard too
-        for size, placement in zip(self.tp.mesh.shape, self.tp.placements, strict=True):
-            if isinstance(placement, Shard) and placement.dim == self.dim:
-                split *= size
-        if split > 1:
-            dp = (*dp[:-1], _StridedShard(self.dim, split_factor=split))
-        return (*dp, *self.tp.placements)
+        return dp if self.tp is None else self.tp.sharded_placements(dp, self.dim)
 
     def shard_of(self, value: Any, key: str) -> torch.Tensor:
         """This rank's rows of a loaded ``value`` for this parameter: a DTensor (same layout:
@@ -406,8 +359,9 @@ class ShardedParam:
         grad, u.grad = u.grad, None
         if isinstance(grad, DTensor):
             assert self.tp is not None
-            if tuple(grad.placements) != self.tp.placements:  # e.g. Partial: settle it on TP
-                grad = grad.redistribute(grad.device_mesh, list(self.tp.placements))
+            want = self.tp.grad_placements(grad.placements)
+            if tuple(grad.placements) != want:  # e.g. Partial: settle it on TP
+                grad = grad.redistribute(grad.device_mesh, list(want))
             grad = grad.to_local()
         return grad
 
@@ -507,8 +461,9 @@ class ShardGroup:
         # a gather issued before the root's first forward (unshard()) carries a valid tag too
         self.write_static_tag(UNREGISTERED)
 
-    def detached(self, unit: object) -> bool:
-        """Adopt parameters ``_apply`` replaced; whether the shards left the flat buffer."""
+    def _adopt(self, unit: object) -> bool | None:
+        """Adopt parameters ``_apply`` replaced: True when the group must be rebuilt, False when
+        it cannot be yet, None when the shards themselves need a look."""
         adopted = [p.adopt_module_param() for p in self.params]
         for p in self.params:
             p.sharded._fullshard_unit = unit  # type: ignore[attr-defined]
@@ -516,8 +471,13 @@ class ShardGroup:
                 return True  # cast after fully_shard: the unit rebuilds its groups
         if any(p.sharded.is_meta for p in self.params):
             return False  # nothing to copy yet; the meta check at first forward explains
-        if any(adopted):
-            return True
+        return True if any(adopted) else None
+
+    def detached(self, unit: object) -> bool:
+        """Adopt parameters ``_apply`` replaced; whether the shards left the flat buffer."""
+        verdict = self._adopt(unit)
+        if verdict is not None:
+            return verdict
         start = self.flat.data_ptr() if not self.flat.is_meta else -1
         for i, p in enumerate(self.params):
             t = self.values(p)

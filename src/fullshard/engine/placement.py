@@ -23,7 +23,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard.comm.mesh import MeshInfo
-from fullshard.engine.extension import has_extension_hooks
+from fullshard.engine.extension import has_extension_hooks, is_tensor_subclass
 from fullshard.engine.param import local_of
 from fullshard.policies import (
     FullshardAssertionError,
@@ -117,7 +117,7 @@ def shard_dims(
         where = f"parameter '{name}' of {unit_name}"
         local = local_of(param)  # a TP parameter is sharded by its local tensor
         dim = _dim_of(fn(param), local, where, info)
-        if dim and has_extension_hooks(local):
+        if dim and (has_extension_hooks(local) or is_tensor_subclass(local)):
             raise FullshardError(
                 f"shard_placement_fn returned Shard({dim}) for {where}, a "
                 f"{type(local).__name__} gathered through all-gather extension hooks (e.g. "

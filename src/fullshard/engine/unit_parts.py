@@ -57,7 +57,8 @@ import torch
 from fullshard.comm.collectives import Comm, Pending
 from fullshard.comm.desync import TAG_BITS, TAG_LEN, Position, Verdict
 from fullshard.comm.mesh import MeshInfo
-from fullshard.engine.extension import ExtensionGroup, has_extension_hooks
+from fullshard.engine.copy_in import CopyInGroup, gather_kind
+from fullshard.engine.extension import ExtensionGroup
 from fullshard.engine.param import ShardedParam, ShardGroup
 from fullshard.engine.streams import Event
 from fullshard.policies import FullshardError, MixedPrecisionPolicy
@@ -133,31 +134,34 @@ def make_groups(
     unit_name: str,
 ) -> list[ShardGroup]:
     """NOTE [Mixed-dtype units]: one group per dtype, widest first (alignment in bytes), then
-    one per dtype of the parameters gathered through extension hooks; the last group carries
-    the position tag."""
+    one per dtype of the parameters gathered through extension hooks (values in the flat
+    buffer, then shards of their own: NOTE [Shards of their own] in copy_in.py); the last
+    group carries the position tag."""
 
     def width(d: torch.dtype) -> int:
         return -torch.empty((), dtype=d).element_size()
 
-    kinds: list[tuple[bool, torch.dtype]] = []
-    for ext in (False, True):
-        dtypes = {t.dtype for t in originals if has_extension_hooks(t) == ext}
-        kinds += [(ext, d) for d in sorted(dtypes, key=width)]
-    kinds = kinds or [(False, torch.float32)]
+    of = [gather_kind(t) for t in originals]
+    kinds: list[tuple[str, torch.dtype]] = []
+    for kind in ("plain", "flat", "own"):
+        dtypes = {t.dtype for t, k in zip(originals, of, strict=True) if k == kind}
+        kinds += [(kind, d) for d in sorted(dtypes, key=width)]
+    kinds = kinds or [("plain", torch.float32)]
     groups: list[ShardGroup] = []
-    for i, (ext, dtype) in enumerate(kinds):
+    for i, (kind, dtype) in enumerate(kinds):
         pairs = [
             (p, t)
-            for p, t in zip(params, originals, strict=True)
-            if t.dtype == dtype and has_extension_hooks(t) == ext
+            for p, t, k in zip(params, originals, of, strict=True)
+            if t.dtype == dtype and k == kind
         ]
         members = [p for p, _ in pairs]
         compute = mp_policy.param_dtype or dtype
         # the tag ends the last group, so it ends what is sent
         tail = tag_tail(mesh.world_size) if i == len(kinds) - 1 else 0
         args = (members, dtype, compute, mesh, shard_device, pin_memory)
-        if ext:
-            g: ShardGroup = ExtensionGroup(*args, tail, [t for _, t in pairs], mp_policy)
+        if kind != "plain":
+            cls = ExtensionGroup if kind == "flat" else CopyInGroup
+            g: ShardGroup = cls(*args, tail, [t for _, t in pairs], mp_policy)
         else:
             g = ShardGroup(*args, tail, align=len(kinds) > 1)
         g.unit_name = unit_name

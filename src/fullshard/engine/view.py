@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.comm.collectives import all_gather
+from fullshard.engine.copy_in import CopyInGroup
 from fullshard.engine.fsdp_module import FSDPModule
 from fullshard.engine.param import ShardedParam, ShardGroup
 from fullshard.engine.schedule import Listener, Point, StepSchedule
@@ -57,6 +58,9 @@ class UnitView:
         parameter is then joined over its TP mesh too). A collective: every rank of the unit's
         mesh must iterate it. A group's gathered buffer lives until the next group starts."""
         for group in self.unit.groups:  # one unless the unit mixes dtypes
+            if isinstance(group, CopyInGroup):  # NOTE [Shards of their own]
+                yield from group.full_parameters()
+                continue
             flat = _gather_group(self.unit, group)
             for i, p in enumerate(group.params):
                 full = group.layout.gathered_view(flat, i).detach()
