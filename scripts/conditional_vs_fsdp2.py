@@ -1,0 +1,97 @@
+"""The programs of issue 34 under fullshard and under torch's FSDP2, side by side.
+
+Each case runs in its own launch of 2 (or ``--world``) gloo ranks, float64, 3 AdamW steps,
+against one process on the union of the ranks' data (``tests/conditional_programs.py``):
+
+- ``moe``: an MoE with one module per expert, top-2 routing and a load-balancing loss; each
+  rank's tokens reach only some experts (parameters some ranks did not use);
+- ``moe accumulate``: the same with two micro-batches, the first without gradient sync;
+- ``vlm``: a tiny Hugging Face LLaVA whose batches carry an image on rank 0 only in the first
+  step; fullshard declares the vision encoder optional (``set_optional()``), FSDP2 has no such
+  declaration;
+- ``vlm undeclared``: the same without the declaration, the image at the second step.
+
+A launch ends as: ``exact`` (the largest difference from one process), an error every rank
+raised (its first line), a rank killed (gloo's abort), or a hang (past ``--deadline``).
+
+    PYTHONPATH=src python scripts/conditional_vs_fsdp2.py [--world 2] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+CASES = ["moe", "moe accumulate", "vlm", "vlm undeclared"]
+
+
+def _case(rank: int, world: int, impl: str, case: str) -> dict[str, Any]:
+    import conditional_programs as cp
+
+    if impl == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        cp.fully_shard = fully_shard  # type: ignore[assignment]
+    some, every = [r == 0 for r in range(world)], [True] * world
+    try:
+        if case.startswith("moe"):
+            micro = 2 if case == "moe accumulate" else 1
+            out = cp.train(
+                rank, world, lambda: cp.MoELM().double(),
+                lambda m: cp.shard_moe(m, "plain", world), cp.moe_loss,  # type: ignore[arg-type]
+                cp.moe_batches(3, micro, world),
+            )  # fmt: skip
+        else:
+            optional = case == "vlm" and impl == "fullshard"
+            images = [some, every, every] if case == "vlm" else [every, some, every]
+            out = cp.train(
+                rank, world, cp.tiny_llava, lambda m: cp.shard_vlm(m, optional), cp.vlm_loss,
+                cp.vlm_batches(images),
+            )  # fmt: skip
+    except Exception as exc:
+        return {"outcome": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+    return {"outcome": f"exact to {max(out['diffs']):.1e}", "diffs": out["diffs"]}
+
+
+def run(impl: str, case: str, world: int, deadline: float) -> str:
+    from harness import RanksFailed, run_ranks
+
+    try:
+        res = run_ranks(_case, world, impl, case, timeout_s=deadline, pg_timeout_s=deadline)
+    except RanksFailed as exc:
+        text = str(exc)
+        if "did not finish" in text:
+            return f"hung (no rank finished within {deadline:.0f} s)"
+        codes = sorted({line.split("code ")[-1] for line in text.splitlines() if "code" in line})
+        return f"rank killed (exit code {', '.join(codes)}; gloo's abort)" if codes else text
+    outcomes = [r["outcome"] for r in res]
+    if len(set(outcomes)) == 1:
+        return outcomes[0] + (" (every rank)" if "Error" in outcomes[0] else "")
+    return "; ".join(f"rank {r}: {o}" for r, o in enumerate(outcomes))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--deadline", type=float, default=60.0)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    rows = []
+    for case in CASES:
+        row = {"case": case}
+        for impl in ("fullshard", "fsdp2"):
+            row[impl] = run(impl, case, args.world, args.deadline)
+        rows.append(row)
+        print(f"| {case} | {row['fullshard']} | {row['fsdp2']} |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"world": args.world, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
