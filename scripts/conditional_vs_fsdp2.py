@@ -15,6 +15,9 @@ A launch ends as: ``exact`` (the largest difference from one process), an error 
 raised (its first line), a rank killed (gloo's abort), or a hang (past ``--deadline``).
 
     PYTHONPATH=src python scripts/conditional_vs_fsdp2.py [--world 2] [--out FILE.json]
+
+``--cost``: what ``set_optional()`` costs a unit every rank runs (gathered memory, exposed
+communication, step time), alternating launches with and without it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -69,10 +73,79 @@ def run(impl: str, case: str, world: int, deadline: float) -> str:
             return f"hung (no rank finished within {deadline:.0f} s)"
         codes = sorted({line.split("code ")[-1] for line in text.splitlines() if "code" in line})
         return f"rank killed (exit code {', '.join(codes)}; gloo's abort)" if codes else text
-    outcomes = [r["outcome"] for r in res]
+    # the same error on every rank but for the rank it names first
+    outcomes = [re.sub(r"rank \d+: ", "", r["outcome"], count=2) for r in res]
     if len(set(outcomes)) == 1:
         return outcomes[0] + (" (every rank)" if "Error" in outcomes[0] else "")
     return "; ".join(f"rank {r}: {o}" for r, o in enumerate(outcomes))
+
+
+def _cost(rank: int, world: int, optional: bool, steps: int) -> dict[str, Any]:
+    """What declaring a unit optional costs when every rank runs it: an encoder unit (a
+    quarter of the model) before four blocks, trained ``steps`` steps after two of warm-up;
+    the gathered-window peak (MemoryTracker), exposed communication per step (the timeline's
+    host waits) and step time, all medians or peaks over the timed steps."""
+    import time
+
+    import torch
+    from toy import Block
+
+    from fullshard import fully_shard
+    from fullshard.observe.memory import MemoryTracker
+    from fullshard.observe.timeline import Recorder, exposed_seconds
+
+    dim = 256
+    torch.manual_seed(0)
+    enc = torch.nn.Sequential(*(Block(dim, 4 * dim) for _ in range(4)))
+    blocks = torch.nn.ModuleList(
+        torch.nn.Sequential(*(Block(dim, 4 * dim) for _ in range(3))) for _ in range(4)
+    )
+    model = torch.nn.ModuleDict({"enc": enc, "blocks": blocks})
+    for b in blocks:
+        fully_shard(b)
+    fully_shard(enc)
+    if optional:
+        enc.set_optional()  # type: ignore[operator]
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, dim, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        h = model["enc"](x)
+        for b in model["blocks"]:
+            h = b(h)
+        h.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    step(), step()
+    rec, mem = Recorder().attach(model, opt), MemoryTracker().attach(model, opt)
+    times = sorted(step() for _ in range(steps))
+    rec.detach()
+    mem.detach()
+    return {
+        "gathered_peak_bytes": max(p["gathered_window"] for p in mem.peaks.values()),
+        "exposed_ms_per_step": 1e3 * exposed_seconds(rec.events) / steps,
+        "step_ms_median": 1e3 * times[len(times) // 2],
+        "encoder_bytes": sum(4 * p.numel() for p in enc.parameters()) * world,
+    }
+
+
+def cost(world: int, rounds: int, steps: int) -> dict[str, Any]:
+    """``_cost`` with and without ``set_optional()``, alternating launches (A B A B ...)."""
+    from harness import run_ranks
+
+    runs: dict[str, list[dict[str, Any]]] = {"normal": [], "optional": []}
+    for _ in range(rounds):
+        for name in runs:
+            res = run_ranks(_cost, world, name == "optional", steps, timeout_s=600)
+            runs[name].append(res[0])
+    out: dict[str, Any] = {}
+    for name, rs in runs.items():
+        out[name] = {k: sorted(r[k] for r in rs)[len(rs) // 2] for k in rs[0]}
+    return out
 
 
 def main() -> None:
@@ -80,7 +153,17 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--deadline", type=float, default=60.0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--cost", action="store_true", help="the cost of an optional unit instead")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
+    if args.cost:
+        result = cost(args.world, args.rounds, args.steps)
+        print(json.dumps(result, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"world": args.world, **result}, f, indent=1)
+        return
     rows = []
     for case in CASES:
         row = {"case": case}

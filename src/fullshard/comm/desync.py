@@ -404,8 +404,20 @@ def store_exchange(
     ranks = _ranks(group, dist.get_world_size(group))
     store.set(f"{key}/{dist.get_rank()}", ",".join(map(str, values)))
     keys = [f"{key}/{r}" for r in ranks]
+    interrupt = interrupt_for(group)
     try:
-        store.wait(keys, timeout)
+        if interrupt is None:
+            store.wait(keys, timeout)
+        else:  # NOTE [Interrupts]: under live recovery the wait polls, as collectives' do
+            deadline, pause = time.monotonic() + timeout.total_seconds(), 5e-5
+            while not store.check(keys):
+                interrupt.check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(key)
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-3)
+    except Interrupted:
+        raise
     except Exception:
         missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
         raise DesyncError(
@@ -413,6 +425,20 @@ def store_exchange(
             f"{timeout.total_seconds():.0f}s (they ran other collectives, or stopped)."
         ) from None
     return [[int(v) for v in store.get(k).decode().split(",") if v] for k in keys]
+
+
+def store_round(name: str, group: dist.ProcessGroup | None) -> int | None:
+    """A number every rank of ``group`` gets alike for its n-th call with ``name`` (SPMD ranks
+    call in the same order): the store's counter for the group, read in rounds of the group's
+    size. A key prefix for ``store_exchange`` that a process-local counter could not give (a
+    replacement rank under ``--elastic`` starts its own at 0). ``None`` without a store."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+    ranks = _ranks(group, dist.get_world_size(group))
+    n = store.add(f"fullshard/rounds/{name}/{'-'.join(map(str, ranks))}", 1)
+    return (n - 1) // len(ranks)
 
 
 # -- 3. debug-mode fingerprints ----------------------------------------------------------------

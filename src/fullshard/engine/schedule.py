@@ -75,7 +75,6 @@ forward runs on some ranks only (its gather is issued where the others issue the
 from __future__ import annotations
 
 import enum
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -85,13 +84,12 @@ from torch.autograd import Variable
 
 from fullshard.comm.collectives import CommStats
 from fullshard.comm.control import all_gather_values
-from fullshard.comm.desync import DesyncError, Verdict, moves_data, store_exchange
+from fullshard.comm.desync import DesyncError, Verdict, moves_data, store_exchange, store_round
 from fullshard.comm.device import cuda_semantics
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import Phase
 
 DEFAULT_MAX_GATHERED = 2
-_ROOTS = itertools.count()  # NOTE [Units every rank runs]: each root's store keys
 
 
 @dataclass
@@ -220,9 +218,9 @@ class StepSchedule:
         self.root = root
         self.units = units
         self.stats = CommStats()
-        # NOTE [Units every rank runs]: the store keys of this root's checks (roots are made
-        # in the same order on every rank), and the first forward's fingerprints
-        self.key = f"fullshard/check/{next(_ROOTS)}"
+        # NOTE [Units every rank runs]: the store keys of this root's checks on the host path,
+        # and the first forward's fingerprints
+        self.key = _check_key(root)
         self.forwards = 0
         self.stats.check_forward = f"{self.key}/first"
         self.verdict = Verdict()
@@ -454,6 +452,15 @@ def check_units_ran(schedule: StepSchedule) -> None:
             "reduce-scattered when backward ends, with zero gradients where it did not run), "
             "or run it on every rank. Nothing of this step was reduced."
         )
+
+
+def _check_key(root: CommUnit) -> str:
+    """This root's prefix of store keys (NOTE [Units every rank runs]): alike on every rank."""
+    mesh = root.mesh
+    if cuda_semantics(mesh.device) or mesh.world_size == 1 or not moves_data(mesh.group):
+        return "fullshard/check/collectives"  # all-gathers there: no keys
+    n = store_round("roots", mesh.group)
+    return f"fullshard/check/{n}"
 
 
 def _exchange(
