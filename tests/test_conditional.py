@@ -45,6 +45,18 @@ def _vlm(rank: int, world: int, images: list[list[bool]], optional: bool) -> dic
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def _optional_root(rank: int, world: int) -> str:
+    from fullshard import fully_shard
+
+    model = MoELM().double()
+    fully_shard(model).set_optional()
+    try:
+        model(moe_batches(1, 1, world)[0][0][rank]["idx"])
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
 def _cases(world: int) -> dict[str, Any]:
     some = [r == 0 for r in range(world)]  # only rank 0's batch holds an image
     every, none = [True] * world, [False] * world
@@ -57,6 +69,7 @@ def _cases(world: int) -> dict[str, Any]:
         )
     }
     cases["vlm optional"] = (_vlm, ([some, none, every], True))
+    cases["optional root"] = (_optional_root, ())
     cases["vlm undeclared, first step"] = (_vlm, ([some, every], False))
     cases["vlm undeclared, later step"] = (_vlm, ([every, some], False))
     return cases
@@ -125,3 +138,9 @@ def test_the_cuda_path_of_each_mechanism_under_the_emulation() -> None:
             assert r["error"] is None, (case, r["error"])
             assert max(r["diffs"]) <= TOL, (case, r["diffs"])
             assert r["syncs"][1:] == [0, 0], (case, r["syncs"])
+
+
+def test_the_root_cannot_be_optional() -> None:
+    # it starts every forward; refused on every rank at its first forward, with what to do
+    for r in case_results(_launch(2), "optional root"):
+        assert r.startswith("FullshardError") and "is the root" in r, r
