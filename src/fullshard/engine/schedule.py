@@ -65,7 +65,8 @@ On the host path (gloo on CPU) both exchange through the job's c10d store (``sto
 a set, a wait and a get per rank of the group), not a collective, so a step's collectives stay
 exactly the model's (what ``tests/test_engine_comm.py`` counts), and check 2 runs every
 forward. On the CUDA path they are small all-gathers whose reading synchronises the host, so
-they run at the first forward and under ``FULLSHARD_DEBUG_COLLECTIVES=1`` only; after that an
+they run at a root's first forward (not under ``--elastic``, whose recovery rebuilds the root in
+a quiet step) and under ``FULLSHARD_DEBUG_COLLECTIVES=1`` only; after that an
 undeclared skip meets the payload tags and the bounded waits of NOTE [Collective positions].
 
 Not caught before it runs (without debug mode): a unit that no rank ran in the previous
@@ -84,7 +85,14 @@ from torch.autograd import Variable
 
 from fullshard.comm.collectives import CommStats
 from fullshard.comm.control import all_gather_values
-from fullshard.comm.desync import DesyncError, Verdict, moves_data, store_exchange, store_round
+from fullshard.comm.desync import (
+    DesyncError,
+    Verdict,
+    interrupt_for,
+    moves_data,
+    store_exchange,
+    store_round,
+)
 from fullshard.comm.device import cuda_semantics
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import Phase
@@ -222,7 +230,11 @@ class StepSchedule:
         # and the first forward's fingerprints
         self.key = _check_key(root)
         self.forwards = 0
-        self.stats.check_forward = f"{self.key}/first"
+        # on the CUDA path the first forward's checks read on the host: not under live
+        # recovery, which rebuilds the root in what is a quiet step of the run
+        on_host = not cuda_semantics(root.mesh.device)
+        self.check_first = on_host or interrupt_for(root.mesh.group) is None
+        self.stats.check_forward = f"{self.key}/first" if self.check_first else ""
         self.verdict = Verdict()
         self.verdict.names = self.stats.names
         for i, unit in enumerate(units):
@@ -419,7 +431,8 @@ def check_units_ran(schedule: StepSchedule) -> None:
     each rank forwarded, and all raise when an undeclared one ran on some ranks only."""
     root = schedule.root
     mesh = root.mesh
-    if cuda_semantics(mesh.device) and not (schedule.step == 0 or schedule.stats.debug):
+    first = schedule.step == 0 and schedule.check_first
+    if cuda_semantics(mesh.device) and not (first or schedule.stats.debug):
         return  # reading the bits would synchronise the host every step
     units = [u for u in schedule.units if not u.optional and u is not root]
     groups = [g for g in (mesh.group, mesh.replicate_group) if g is not None and moves_data(g)]
