@@ -69,17 +69,17 @@ def _desync(rank: int, world: int, how: str) -> dict:
     return _catch(run)
 
 
-def test_another_branch_is_caught_at_once_by_the_payload_tags() -> None:
-    # blocks 1 and 2 have the same size: without the tags rank 0 would compute with rank 1's
-    # block-2 shards. Both ranks raise at the first mispaired gather, naming both positions.
+def test_another_branch_is_caught_before_its_first_gather() -> None:
+    # blocks 1 and 2 have the same size: unchecked, rank 0 would compute with rank 1's block-2
+    # shards. The first forward's gathers are fingerprinted (NOTE [Units every rank runs]):
+    # both ranks raise before the mispaired gather, naming both positions and what to do.
     for res in run_ranks(_desync, 2, "branch", timeout_s=90):
         assert res["type"] == "DesyncError", res
         msg = res["error"]
-        assert "rank 0: forward gather of unit 'blocks.1'" in msg, msg
-        assert "rank 1: forward gather of unit 'blocks.2'" in msg, msg
-        # at once: by the tags of the first mispaired gather, not by a wait that timed out
-        assert "paired different all-gathers" in msg, msg
-        assert "No result of this collective was used" in msg, msg
+        assert "(the first forward)" in msg, msg
+        assert "rank 0: all_gather of unit 'blocks.1'" in msg, msg
+        assert "rank 1: all_gather of unit 'blocks.2'" in msg, msg
+        assert "set_optional()" in msg, msg
 
 
 # The waits below are as short as keeps each failure mode apart: a process group timeout of 3 s
@@ -376,13 +376,11 @@ def test_reduce_scatter_tags_are_exact_in_bf16_sums() -> None:
         assert r["type"] == "DesyncError" and "different reduce-scatters" in r["error"], r
 
 
-def test_a_gradient_on_some_ranks_only_is_named_on_every_rank() -> None:
-    # NOTE [Which gradients exist]: rank 0 has no gradient for 'fc.bias', rank 1 has one
+def test_a_gradient_on_some_ranks_only_passes_the_tag_check() -> None:
+    # NOTE [Which gradients exist]: rank 0 has no gradient for 'fc.bias', rank 1 has one; the
+    # presence columns then differ (or sum to 1 of 2), which is allowed: only tags must agree
     for res in _of(2, "tagged: presence, rows") + _of(2, "tagged: presence, sums"):
-        assert res["type"] == "DesyncError", res
-        assert "'fc.bias' on 1 of 2 ranks" in res["error"], res
-        assert "fc.weight" not in res["error"], res
-        assert "produced a gradient where others did not" in res["error"], res
+        assert res == {"error": "", "type": ""}, res
 
 
 class _TwinLM(nn.Module):
@@ -470,15 +468,17 @@ def _partial_gradients(rank: int, world: int) -> dict:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    return _catch(lambda: loss_of(model, batches(1, world)[0][rank]).backward())
+    loss_of(model, batches(1, world)[0][rank]).backward()
+    grad = model.blocks[0].extra.weight.grad
+    return {"grad": None if grad is None else grad.full_tensor()}
 
 
-def test_a_parameter_used_on_some_ranks_only_is_named_not_averaged_silently() -> None:
-    # NOTE [Which gradients exist]: rank 0 has gradients for blocks.0's 'extra', rank 1 none
-    for res in run_ranks(_partial_gradients, 2, timeout_s=60):
-        assert res["type"] == "DesyncError", res
-        assert "unit 'blocks.0'" in res["error"], res
-        assert "'extra.weight' on 1 of 2 ranks (0)" in res["error"], res
+def test_a_parameter_used_on_some_ranks_only_gets_their_gradient_on_every_rank() -> None:
+    # NOTE [Which gradients exist]: rank 0 has gradients for blocks.0's 'extra', rank 1 none;
+    # every rank gets rank 0's gradient / 2 (rank 1 adds zero). Parity: test_conditional.py
+    res = run_ranks(_partial_gradients, 2, timeout_s=60)
+    assert all(r["grad"] is not None for r in res), res
+    assert torch.equal(res[0]["grad"], res[1]["grad"]) and res[0]["grad"].abs().sum() > 0
 
 
 # Cases that share a launch (``_launch``: a launch costs seconds, mostly each new rank's first

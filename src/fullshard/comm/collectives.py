@@ -35,6 +35,7 @@ from fullshard.comm.desync import (
     explain_failure,
     fingerprint_check,
     interrupt_for,
+    moves_data,
     timed_wait,
 )
 from fullshard.comm.device import check_tensor
@@ -78,6 +79,9 @@ class CommStats:
     step: int = 0
     names: dict[int, str] = field(default_factory=dict)
     debug: bool = field(default_factory=debug_enabled)
+    # fingerprint the forward all-gathers too, under this store key (a root's first forward:
+    # NOTE [Units every rank runs] in engine/schedule.py); "" when off
+    check_forward: str = ""
 
     def next_position(self, kind: str, unit: str, phase: Phase, index: int) -> Position:
         """The position of the next collective this rank issues (and count it)."""
@@ -222,10 +226,17 @@ def _issue(
     check_tensor(tensor, group, what)  # NOTE [Device discipline]
     if stats is not None:
         stats.record(kind, unit, nbytes)
-        if stats.debug and position is not None:
+        first = (
+            bool(stats.check_forward)
+            and position is not None
+            and position.label == "forward gather"
+            and moves_data(group)
+        )
+        if (stats.debug or first) and position is not None:
             fingerprint_check(
-                position, tensor.numel(), tensor.dtype, group, tensor.device, timeout, stats.names
-            )
+                position, tensor.numel(), tensor.dtype, group, tensor.device, timeout,
+                stats.names, first=stats.check_forward if first and not stats.debug else "",
+            )  # fmt: skip
     t0 = time.perf_counter()
     work = work_fn()
     timeline = stats.timeline if stats is not None else None

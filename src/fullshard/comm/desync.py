@@ -13,8 +13,9 @@ every rank shares, so two units never share a code) and why it runs. Three mecha
    compute with each other's weights. A reduce-scatter block ends in one column per trainable
    parameter ("this rank has a gradient for it") and the same five bytes written as 40 bits.
    Sums of bits stay exact integers in every reduce dtype as long as the group has at most 256
-   ranks (bf16's exact range; fp16: 2048), so after the sum every column must be 0 or the
-   group size: anything between means the ranks disagreed (NOTE [Which gradients exist]).
+   ranks (bf16's exact range; fp16: 2048), so after the sum every tag column must be 0 or the
+   group size: anything between means the ranks disagreed. The presence columns may hold any
+   count: how many ranks used the parameter (NOTE [Which gradients exist]).
 2. A failed or timed-out wait (a dead rank, or a rank that went elsewhere): each rank publishes
    its position in the process group's store and reads the others' for a few seconds, so the
    error lists every rank's position, and names the ranks that never reported.
@@ -54,7 +55,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -264,7 +265,7 @@ class Verdict:
         group: dist.ProcessGroup | None,
         params: list[str],
     ) -> None:
-        """Reduce-scatter extra columns after the sum: each must be 0 or ``world``."""
+        """Reduce-scatter extra columns after the sum: each tag column must be 0 or ``world``."""
         self._add(_Item("sums", sums, pos, group, -1, world, params))
 
     def _add(self, item: _Item) -> None:
@@ -299,7 +300,8 @@ class Verdict:
             groups.setdefault(key, []).append(item)
         flags, ordered = [], []
         for (kind, _, me, world), members in groups.items():
-            t = torch.stack([m.tensor for m in members])
+            # presence bits may differ (NOTE [Which gradients exist]): only the tags must agree
+            t = torch.stack([m.tensor[..., len(m.params) :] for m in members])
             bad = (t != 0) & (t != world) if kind == "sums" else t != t[:, me : me + 1]
             flags.append(bad.flatten(1).any(1))
             ordered += members
@@ -337,54 +339,28 @@ class Verdict:
         self.poll(block=True)
 
     def _raise_if_bad(self, item: _Item, late: bool) -> None:
-        t = item.tensor.detach().double().cpu()
-        world, k = item.world, len(item.params)
+        """Raise ``DesyncError`` when the ranks' tags disagree. Presence bits (the first
+        ``len(item.params)`` columns of a reduce-scatter's) may differ: a rank that did not use
+        a parameter sends zeros for it (NOTE [Which gradients exist])."""
+        k = len(item.params)
+        t = item.tensor.detach().double().cpu()[..., k:]
+        world = item.world
         if item.kind == "sums":
             if not ((t != 0) & (t != world)).any():
                 return
         elif not (t != t[item.me : item.me + 1]).any():
             return
         ranks = _ranks(item.group, world)
-        if item.kind == "gather":
-            rows = [[int(v) for v in r] for r in t.tolist()]
-            lines = [
-                f"rank {r}: {_describe(row, self.names)}"
-                for r, row in zip(ranks, rows, strict=True)
-            ]
-            raise _mispaired(item.pos, lines, late)
-        holders: list[list[int]] = [[] for _ in range(k)]
+        if item.kind == "sums":
+            where = explain_failure(item.pos, str(item.pos), item.group)
+            raise _mispaired(item.pos, [f"where every rank is: {where}"], late)
+        rows = [[int(v) for v in r] for r in t.tolist()]
         if item.kind == "rows":
-            tags = [_bits_to_bytes(r[k:]) for r in t.tolist()]
-            if any(row != tags[item.me] for row in tags):
-                lines = [
-                    f"rank {r}: {_describe(row, self.names)}"
-                    for r, row in zip(ranks, tags, strict=True)
-                ]
-                raise _mispaired(item.pos, lines, late)
-            holders = [[ranks[i] for i in range(world) if t[i, j] > 0] for j in range(k)]
-            counts = [len(h) for h in holders]
-        else:
-            if ((t[k:] != 0) & (t[k:] != world)).any():
-                where = explain_failure(item.pos, str(item.pos), item.group)
-                raise _mispaired(item.pos, [f"where every rank is: {where}"], late)
-            counts = [int(v) for v in t[:k].tolist()]
-        shown = "; ".join(
-            f"'{item.params[j]}' on {counts[j]} of {world} ranks"
-            + (f" ({', '.join(map(str, holders[j]))})" if holders[j] else "")
-            for j in range(k)
-            if 0 < counts[j] < world
-        )
-        raise DesyncError(
-            f"rank {dist.get_rank()}: in unit '{item.pos.unit}' (step {item.pos.step}) some ranks "
-            f"produced a gradient where others did not: {shown}. Every rank's backward must "
-            "reach the same parameters of a unit, as in torch FSDP2: use every parameter on "
-            "every rank (e.g. add 0 * p.sum() for a branch this rank skipped), or freeze it."
-            + (
-                " This step's gradients were used: restart from the last checkpoint."
-                if late
-                else ""
-            )
-        )
+            rows = [_bits_to_bytes([float(b) for b in r]) for r in rows]
+        lines = [
+            f"rank {r}: {_describe(row, self.names)}" for r, row in zip(ranks, rows, strict=True)
+        ]
+        raise _mispaired(item.pos, lines, late)
 
 
 # -- 2. explaining a failed wait ---------------------------------------------------------------
@@ -414,6 +390,57 @@ def explain_failure(pos: Position | None, what: str, group: dist.ProcessGroup | 
     return "; ".join(lines)
 
 
+def store_exchange(
+    key: str, values: list[int], group: dist.ProcessGroup | None, timeout: timedelta, what: str
+) -> list[list[int]] | None:
+    """Every rank's ``values`` (the group's rank order) through the job's c10d store instead
+    of a collective: on the host path a check that must not add a collective (nor be counted
+    as one) exchanges this way. ``None`` when no store is reachable. A rank that does not
+    arrive within ``timeout`` is named in a ``DesyncError``."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+    ranks = _ranks(group, dist.get_world_size(group))
+    store.set(f"{key}/{dist.get_rank()}", ",".join(map(str, values)))
+    keys = [f"{key}/{r}" for r in ranks]
+    interrupt = interrupt_for(group)
+    try:
+        if interrupt is None:
+            store.wait(keys, timeout)
+        else:  # NOTE [Interrupts]: under live recovery the wait polls, as collectives' do
+            deadline, pause = time.monotonic() + timeout.total_seconds(), 5e-5
+            while not store.check(keys):
+                interrupt.check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(key)
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-3)
+    except Interrupted:
+        raise
+    except Exception:
+        missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
+        raise DesyncError(
+            f"rank {dist.get_rank()}: rank(s) {missing} did not reach {what} within "
+            f"{timeout.total_seconds():.0f}s (they ran other collectives, or stopped)."
+        ) from None
+    return [[int(v) for v in store.get(k).decode().split(",") if v] for k in keys]
+
+
+def store_round(name: str, group: dist.ProcessGroup | None) -> int | None:
+    """A number every rank of ``group`` gets alike for its n-th call with ``name`` (SPMD ranks
+    call in the same order): the store's counter for the group, read in rounds of the group's
+    size. A key prefix for ``store_exchange`` that a process-local counter could not give (a
+    replacement rank under ``--elastic`` starts its own at 0). ``None`` without a store."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+    ranks = _ranks(group, dist.get_world_size(group))
+    n = store.add(f"fullshard/rounds/{name}/{'-'.join(map(str, ranks))}", 1)
+    return (n - 1) // len(ranks)
+
+
 # -- 3. debug-mode fingerprints ----------------------------------------------------------------
 def fingerprint_check(
     pos: Position,
@@ -423,9 +450,22 @@ def fingerprint_check(
     device: torch.device,
     timeout: timedelta,
     names: dict[int, str],
+    first: str = "",
 ) -> None:
-    """Exchange and compare a fixed-size fingerprint before a collective (debug mode)."""
+    """Exchange and compare a fixed-size fingerprint before a collective (debug mode), or,
+    with ``first`` (a key prefix), before a forward gather of a root's first forward (NOTE
+    [Units every rank runs]): through the store on the host path, so that it adds no
+    collective there."""
     world = dist.get_world_size(group)
+    if first and not cuda_semantics(device):
+        values = [pos.seq, KINDS.index(pos.kind), pos.index, numel, pos.step]
+        key = f"{first}/{'-'.join(map(str, _ranks(group, world)))}/{pos.seq}"
+        got = store_exchange(key, values, group, timeout, f"the first forward's gather #{pos.seq}")
+        if got is not None:
+            if any(row != values for row in got):
+                rows_ = [[r[0], r[1], r[2], r[3], 0, r[4]] for r in got]
+                _fingerprint_error(torch.tensor(rows_), group, world, names, True)
+            return
     mine = torch.tensor(
         [
             pos.seq,
@@ -445,6 +485,13 @@ def fingerprint_check(
     rows = everyone.view(world, -1).cpu()
     if bool((rows == mine.cpu().reshape(1, -1)).all()):
         return
+    _fingerprint_error(rows, group, world, names, bool(first))
+
+
+def _fingerprint_error(
+    rows: torch.Tensor, group: dist.ProcessGroup | None, world: int, names: dict[int, str],
+    first: bool,
+) -> NoReturn:  # fmt: skip
     lines = []
     for r, row in zip(_ranks(group, world), rows.tolist(), strict=True):
         kind = KINDS[row[1]] if 0 <= row[1] < len(KINDS) else "?"
@@ -452,9 +499,19 @@ def fingerprint_check(
             f"rank {r}: {kind} of unit '{names.get(row[2], '#' + str(row[2]))}' ({row[3]} "
             f"elements) at step {row[5]}, collective #{row[0]}"
         )
+    hint = ""
+    units = {row[2] for row in rows.tolist()}
+    if len(units) > 1 and all(row[1] == KINDS.index("all_gather") for row in rows.tolist()):
+        shown = " or ".join(f"'{names.get(u, '#' + str(u))}'" for u in sorted(units))
+        hint = (
+            f" A unit ({shown}) ran on some ranks and not on others: declare a unit that some "
+            "ranks skip optional (module.set_optional() on every rank before the forward), or "
+            "run it on every rank."
+        )
     raise DesyncError(
-        f"rank {dist.get_rank()}: collective mismatch caught before it ran (debug mode): "
-        f"{'; '.join(lines)}. The ranks ran different forward/backward sequences."
+        f"rank {dist.get_rank()}: collective mismatch caught before it ran "
+        f"({'the first forward' if first else 'debug mode'}): {'; '.join(lines)}. The ranks "
+        f"ran different forward/backward sequences.{hint}"
     )
 
 

@@ -105,6 +105,21 @@ class FSDPModule:
         for unit in self._units(recurse):
             unit.reshard_after_forward = reshard_after_forward
 
+    def set_optional(self, optional: bool = True) -> None:
+        """Declare that some ranks may skip this unit in a step (an image encoder where only
+        some batches hold images). Every rank then joins its collectives at points all ranks
+        reach: gathered when the root's forward starts, kept through backward, reduce-scattered
+        when backward ends, with zero gradients from the ranks where it did not run, so the
+        result equals one process on every rank's data (NOTE [Optional units]). Call it on every
+        rank, outside a forward/backward; not on the root, which always runs."""
+        state = self._fullshard_state
+        if state.is_root or (state.schedule is not None and state.schedule.root is state.unit):
+            raise FullshardValueError(
+                f"unit '{state.unit.name}' is the root: its forward starts every step, so it "
+                "cannot be optional. Call set_optional() on the unit that some ranks skip."
+            )
+        state.unit.optional = optional
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: do not gather this unit in backward, for units whose backward needs no
         parameter (an embedding). Its gradients are still reduce-scattered."""

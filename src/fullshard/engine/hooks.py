@@ -143,6 +143,11 @@ class FSDPState:
             st.unit.name = name or "root"
             states.append(st)
         _check_ties_across_units(states)
+        if self.unit.optional:
+            raise FullshardError(
+                f"unit '{self.unit.name}' was declared optional (set_optional()) but is the root: "
+                "its forward starts every step. Declare the unit that some ranks skip instead."
+            )
         for st in states:
             if st.unit.state is UnitState.GATHERING:
                 # unshard(async_op=True) before the first forward: land it before the tags are

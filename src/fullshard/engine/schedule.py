@@ -33,6 +33,44 @@ reduce-scatter in flight (on a GPU: the compute stream waits for the reduce stre
 ``.grad`` is complete for anything queued after ``backward()`` returns), frees every gathered
 unit that should be resharded, and closes the step's desync verdict (NOTE [Reading the
 verdict]), which the next forward reads.
+
+NOTE [Optional units]
+A unit declared optional (``FSDPModule.set_optional()``: an image encoder that runs only where
+a batch holds an image) may be skipped by some ranks in a step. Its collectives therefore run at
+points every rank reaches, whatever ran: its all-gather is issued right after the root's, at
+the start of every forward; it stays gathered through backward (a rank that skipped it waits
+for the gather at the root's post-forward); and it is reduce-scattered at the end of backward,
+in registration order, where a rank that did not run it sends zeros (NOTE [Which gradients
+exist]). It is never prefetched and takes no place in the recorded orders, so the ranks'
+prefetches agree whether it ran or not. Its cost: its gathered parameters are held from the
+start of forward to the end of backward (once, not per use), its gather competes with the
+first block's, and its reduce-scatter, issued when backward has nothing left to overlap, is
+exposed; a rank that skipped it still moves its bytes.
+
+NOTE [Units every rank runs]
+A unit that is not optional must run on every rank, or on none, in each forward: a rank that
+skips it pairs its collectives with other ones (gloo aborts the process on a size mismatch,
+NCCL hangs or mixes numbers). Two checks turn that into one ``DesyncError`` on every rank,
+naming the unit, the ranks, and ``set_optional()``:
+
+1. The root's first forward fingerprints each forward all-gather before it runs (debug mode's
+   fingerprint, NOTE [Collective positions]), because no order is recorded yet to prefetch by
+   and a skip mispairs the very next gather. Once per root.
+2. At the root's post-forward, every rank publishes a bit per unit ("forwarded this step") and
+   reads the others'; when they differ, every rank raises before any backward collective. From
+   the second forward on, the forward's gathers follow the recorded order (NOTE [Prefetch
+   order]), so a rank that skipped a unit still paired them; it is backward that would mispair.
+
+On the host path (gloo on CPU) both exchange through the job's c10d store (``store_exchange``:
+a set, a wait and a get per rank of the group), not a collective, so a step's collectives stay
+exactly the model's (what ``tests/test_engine_comm.py`` counts), and check 2 runs every
+forward. On the CUDA path they are small all-gathers whose reading synchronises the host, so
+they run at a root's first forward (not under ``--elastic``, whose recovery rebuilds the root in
+a quiet step) and under ``FULLSHARD_DEBUG_COLLECTIVES=1`` only; after that an
+undeclared skip meets the payload tags and the bounded waits of NOTE [Collective positions].
+
+Not caught before it runs (without debug mode): a unit that no rank ran in the previous
+forward runs on some ranks only (its gather is issued where the others issue their next one).
 """
 
 from __future__ import annotations
@@ -42,10 +80,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 
 from fullshard.comm.collectives import CommStats
-from fullshard.comm.desync import Verdict
+from fullshard.comm.control import all_gather_values
+from fullshard.comm.desync import (
+    DesyncError,
+    Verdict,
+    interrupt_for,
+    moves_data,
+    store_exchange,
+    store_round,
+)
+from fullshard.comm.device import cuda_semantics
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import Phase
 
@@ -83,10 +131,12 @@ class Prefetcher:
         self.post_forward_order = []
 
     def record_pre_forward(self, unit: CommUnit) -> None:
-        self.pre_forward_order.append(unit)
+        if not unit.optional:  # NOTE [Optional units]: gathered at the root's pre-forward
+            self.pre_forward_order.append(unit)
 
     def record_post_forward(self, unit: CommUnit) -> None:
-        self.post_forward_order.append(unit)
+        if not unit.optional:
+            self.post_forward_order.append(unit)
 
     # -- choosing -------------------------------------------------------------------------
     def _next(self, order: Sequence[CommUnit], unit: CommUnit) -> list[CommUnit]:
@@ -115,7 +165,7 @@ class Prefetcher:
 
     # -- the window -----------------------------------------------------------------------
     def counts_in_window(self, unit: CommUnit) -> bool:
-        return unit is not self.root and bool(unit.reshard_after_forward)
+        return unit is not self.root and bool(unit.reshard_after_forward) and not unit.optional
 
     def window(self) -> int:
         """Non-root units gathered (or gathering) that count against NOTE [Gathered window]."""
@@ -176,6 +226,15 @@ class StepSchedule:
         self.root = root
         self.units = units
         self.stats = CommStats()
+        # NOTE [Units every rank runs]: the store keys of this root's checks on the host path,
+        # and the first forward's fingerprints
+        self.key = _check_key(root)
+        self.forwards = 0
+        # on the CUDA path the first forward's checks read on the host: not under live
+        # recovery, which rebuilds the root in what is a quiet step of the run
+        on_host = not cuda_semantics(root.mesh.device)
+        self.check_first = on_host or interrupt_for(root.mesh.group) is None
+        self.stats.check_forward = f"{self.key}/first" if self.check_first else ""
         self.verdict = Verdict()
         self.verdict.names = self.stats.names
         for i, unit in enumerate(units):
@@ -220,9 +279,15 @@ class StepSchedule:
     def pre_forward(self, unit: CommUnit) -> None:
         unit.sync_requires_grad()  # NOTE [Freezing after fully_shard]
         unit.wait_for_unshard(Phase.FORWARD)
+        if unit is self.root and self.in_forward:
+            for other in self.units:
+                if other.optional:  # NOTE [Optional units]: every rank, right after the root
+                    other.sync_requires_grad()
+                    other.unshard(Phase.FORWARD)
         self.forwarded.add(unit)
         self.prefetcher.record_pre_forward(unit)
-        self.prefetcher.prefetch(self.prefetcher.forward_targets(unit), Phase.FORWARD)
+        if not unit.optional:
+            self.prefetcher.prefetch(self.prefetcher.forward_targets(unit), Phase.FORWARD)
         self._emit(Point.FORWARD_START, unit)
 
     def pre_recompute(self, unit: CommUnit) -> None:
@@ -232,7 +297,7 @@ class StepSchedule:
     def post_forward(self, unit: CommUnit, reshard: bool, grad_enabled: bool = True) -> None:
         self._emit(Point.FORWARD_END, unit)
         self.prefetcher.record_post_forward(unit)
-        if reshard:
+        if reshard and not (unit.optional and grad_enabled):  # NOTE [Optional units]
             # a backward will come: a unit with a post-forward group keeps its rows there
             unit.reshard(after_forward=grad_enabled)
             self._emit(Point.FREE, unit)
@@ -240,10 +305,17 @@ class StepSchedule:
     def end_forward(self, grad_enabled: bool) -> None:
         """Root post-forward: free what was prefetched but not used (a changed unit order)."""
         self.in_forward = False
+        self.stats.check_forward = ""
+        keep = grad_enabled
+        for unit in self.units:
+            if unit.optional and keep and unit.gathered:
+                # NOTE [Optional units]: kept through backward, also where it did not run
+                unit.wait_for_unshard(Phase.BACKWARD)
         self.root.streams.release_held()  # the last forward all-gather's buffers (rule 2)
         for unit in self.units:
-            if unit.gathered and unit not in self.forwarded:
+            if unit.gathered and unit not in self.forwarded and not (unit.optional and keep):
                 unit.reshard()
+        check_units_ran(self)  # NOTE [Units every rank runs]
         if not grad_enabled:
             # No backward will come to free the units kept for it (the root, SHARD_GRAD_OP),
             # nor to close this forward's checks.
@@ -275,6 +347,14 @@ class StepSchedule:
             return
         self.backward_done.add(unit)
         self._emit(Point.BACKWARD_END, unit)
+        if unit.optional:
+            return  # NOTE [Optional units]: reduced at the end of backward, on every rank
+        self._reduce(unit)
+        if unit.reshard_after_backward:
+            unit.reshard()
+            self._emit(Point.FREE, unit)
+
+    def _reduce(self, unit: CommUnit) -> None:
         if unit.requires_grad_sync and unit.trainable:
             while len(self._reducing) >= MAX_REDUCES_IN_FLIGHT:
                 self._reducing.pop(0).finish_reduce()
@@ -282,15 +362,18 @@ class StepSchedule:
             self._reducing.append(unit)
         elif unit.trainable:
             unit.accumulate_unsynced()  # NOTE [Accumulating without sync]
-        if unit.reshard_after_backward:
-            unit.reshard()
-            self._emit(Point.FREE, unit)
 
     def end_backward(self) -> None:
         """The root's end-of-backward callback (NOTE [End of backward])."""
         for unit in self.units:
             if unit in self.backward_started and unit not in self.backward_done:
                 self.post_backward(unit)
+        for unit in self.units:
+            if unit.optional and unit.gathered:  # NOTE [Optional units]: every rank, in order
+                self._reduce(unit)
+                if unit.reshard_after_backward:
+                    unit.reshard()
+                    self._emit(Point.FREE, unit)
         if self.is_last_backward:  # else the next backward or forward finishes them
             self._finish_all_reduces()
         offloaded = False
@@ -341,3 +424,76 @@ class StepSchedule:
     def _finish_all_reduces(self) -> None:
         while self._reducing:
             self._reducing.pop(0).finish_reduce()
+
+
+def check_units_ran(schedule: StepSchedule) -> None:
+    """NOTE [Units every rank runs]: at the root's post-forward, every rank learns which units
+    each rank forwarded, and all raise when an undeclared one ran on some ranks only."""
+    root = schedule.root
+    mesh = root.mesh
+    first = schedule.step == 0 and schedule.check_first
+    if cuda_semantics(mesh.device) and not (first or schedule.stats.debug):
+        return  # reading the bits would synchronise the host every step
+    units = [u for u in schedule.units if not u.optional and u is not root]
+    groups = [g for g in (mesh.group, mesh.replicate_group) if g is not None and moves_data(g)]
+    groups = [g for g in groups if dist.get_world_size(g) > 1]
+    if not units or not groups:
+        return
+    schedule.forwards += 1
+    mine = [1 if u in schedule.forwarded else 0 for u in units]
+    for group in groups:
+        what = "fullshard's check of the units every rank ran"
+        rows = _exchange(schedule, mine, group, what)
+        bad = [j for j in range(len(units)) if len({r[j] for r in rows}) > 1]
+        if not bad:
+            continue
+        ranks = dist.get_process_group_ranks(group)
+        lines = []
+        for j in bad:
+            ran = [r for r, row in zip(ranks, rows, strict=True) if row[j]]
+            skipped = [r for r in ranks if r not in ran]
+            lines.append(
+                f"unit '{units[j].name}' ran on rank(s) {_ranks(ran)} and not on rank(s) "
+                f"{_ranks(skipped)}"
+            )
+        raise DesyncError(
+            f"rank {dist.get_rank()}: in the forward of step {schedule.step}, "
+            + "; ".join(lines)
+            + ". Every rank must run a unit's forward (its collectives pair across ranks), "
+            "unless it is declared optional: call module.set_optional() on that unit on every "
+            "rank before the forward (it is then gathered when the forward starts and "
+            "reduce-scattered when backward ends, with zero gradients where it did not run), "
+            "or run it on every rank. Nothing of this step was reduced."
+        )
+
+
+def _check_key(root: CommUnit) -> str:
+    """This root's prefix of store keys (NOTE [Units every rank runs]): alike on every rank."""
+    mesh = root.mesh
+    if cuda_semantics(mesh.device) or mesh.world_size == 1 or not moves_data(mesh.group):
+        return "fullshard/check/collectives"  # all-gathers there: no keys
+    n = store_round("roots", mesh.group)
+    return f"fullshard/check/{n}"
+
+
+def _exchange(
+    schedule: StepSchedule, mine: list[int], group: dist.ProcessGroup, what: str
+) -> list[list[int]]:
+    """Every rank's bits: through the store on the host path (no collective is added to a
+    step), by an all-gather on the CUDA path (where this runs at the first forward only)."""
+    mesh = schedule.root.mesh
+    if not cuda_semantics(mesh.device):
+        ranks = dist.get_process_group_ranks(group)
+        key = f"{schedule.key}/units/{'-'.join(map(str, ranks))}"
+        got = store_exchange(f"{key}/{schedule.forwards}", mine, group, mesh.timeout, what)
+        if got is not None:
+            if schedule.forwards > 2:  # every rank has read those: it passed the next check
+                store = dist.distributed_c10d._get_default_store()
+                store.delete_key(f"{key}/{schedule.forwards - 2}/{dist.get_rank()}")
+            return got
+    rows = all_gather_values([float(b) for b in mine], group, what=what, timeout=mesh.timeout)
+    return [[int(v) for v in row] for row in rows.tolist()]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))

@@ -60,7 +60,7 @@ from fullshard.comm.desync import (
     write_dynamic_tag,
     write_static_tag,
 )
-from fullshard.comm.device import cuda_semantics, current_stream, name_tensor, use_stream
+from fullshard.comm.device import cuda_semantics, current_stream, name_tensor
 from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.param import GatheredStorage, ShardedParam
 from fullshard.engine.streams import Event, Streams, streams_for
@@ -70,12 +70,15 @@ from fullshard.engine.unit_parts import (
     ReduceInFlight,
     UnitState,
     check_reduce_tags,
+    gradient_receivers,
     join_wire,
     make_groups,
     post_accumulate_hooks,
     pre_divide_factor,
     reduce_dtype_of,
     refuse_regrouping,
+    run_all_reduce_hook,
+    shard_and_counts,
     unit_layout,
 )
 from fullshard.policies import (
@@ -122,6 +125,8 @@ class CommUnit:
         self.reshard_after_forward: bool | None = None
         self.reshard_after_backward = True
         self.unshard_in_backward = True
+        # NOTE [Optional units] (schedule.py): FSDPModule.set_optional
+        self.optional = False
         self.gather_in_flight: GatherInFlight | None = None
         self._offload_event: Event | None = None
         # CPUOffloadPolicy: shards, gradients and the optimizer step live on the CPU
@@ -461,11 +466,14 @@ class CommUnit:
         last = s.reduce
         summed: torch.Tensor | None = shard
         if self.comm.replicate_group is not None:
-            summed = self._hsdp_sum(shard, on=s.all_reduce, after=flight.reduced)
+            summed = self._hsdp_sum(
+                shard_and_counts(flight, len(self.trainable)), on=s.all_reduce, after=flight.reduced
+            )
+            summed = None if summed is None else summed[: layout.shard_numel]
             last = s.all_reduce
         if summed is not None:
             with s.on(last):
-                self._finish_shard(summed, flight.present)
+                self._finish_shard(summed, self._receivers(flight))
         flight.done = s.record(last)  # the end of backward orders compute after it
 
     def _hsdp_sum(
@@ -510,12 +518,18 @@ class CommUnit:
                 flight.pending.wait()  # gloo: host wait and the local sum
                 check_reduce_tags(self.verdict, flight, self.trainable, self.mesh)
             if self.comm.replicate_group is not None and shard is not None:
-                shard = self._hsdp_sum(shard)
+                shard = self._hsdp_sum(shard_and_counts(flight, len(self.trainable)))
+                shard = None if shard is None else shard[: layout.shard_numel]
             if shard is not None:
-                self._finish_shard(shard, flight.present)
+                self._finish_shard(shard, self._receivers(flight))
         if side:
             s.compute_waits(s.record(s.reduce))
         del flight
+
+    def _receivers(self, flight: ReduceInFlight) -> list[bool]:
+        """NOTE [Which gradients exist]: the parameters some rank used get ``.grad``."""
+        replicated = self.comm.replicate_group is not None
+        return gradient_receivers(flight, len(self.trainable), self.mesh.world_size, replicated)
 
     def end_reduces(self) -> None:
         """End of backward (CUDA): compute waits for every reduction queued this backward."""
@@ -529,19 +543,9 @@ class CommUnit:
         self._set_grads(shard, present)
 
     def _run_all_reduce_hook(self, shard: torch.Tensor) -> None:
-        """FSDP2's all-reduce hook: ``hook(reduce_output)`` on the unit's summed shard (after
-        the HSDP all-reduce, else after the reduce-scatter), before the division; e.g. torchft
-        all-reduces it across replica groups there. On its own stream when one was given."""
-        hook, stream = self.all_reduce_hook, self.all_reduce_hook_stream
-        assert hook is not None
-        if stream is None or not self.streams.cuda:
-            hook(shard)
-            return
-        here = current_stream(shard.device)
-        stream.wait_stream(here)
-        with use_stream(stream):
-            hook(shard)
-        here.wait_stream(stream)
+        assert self.all_reduce_hook is not None
+        stream = self.all_reduce_hook_stream if self.streams.cuda else None
+        run_all_reduce_hook(self.all_reduce_hook, stream, shard)
 
     def _set_grads(self, shard: torch.Tensor, present: list[bool]) -> None:
         factor = (self.divide_factor or self.mesh.data_parallel_size) / self._pre_divide_factor()
@@ -555,7 +559,7 @@ class CommUnit:
             shard = self._to_host(shard)
         for j, p in enumerate(self.trainable):
             if not present[j]:
-                continue  # NOTE [Which gradients exist]
+                continue  # NOTE [Which gradients exist]: no rank used it
             g = self.grad_layout.shard_view(shard, j, self.mesh.rank)
             if g.dtype != p.sharded.dtype:
                 g = g.to(p.sharded.dtype)  # a mixed-dtype unit (NOTE [Mixed-dtype units])

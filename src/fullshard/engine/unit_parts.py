@@ -23,14 +23,31 @@ to the parameters' dtype once per unit, on the device, before any copy to host m
 the pinned host copy instead read it before the device had written it (issue 17, defect 1).
 
 NOTE [Which gradients exist]
-Plain PyTorch leaves ``.grad`` None for a parameter no backward reached. A rank sets the sharded
-``.grad`` exactly where its own backward produced a gradient (missing ones are sent as zeros, so
-that every rank issues the same collective). That is exact when every rank's backward reaches
-the same parameters, which FSDP2 requires too; fullshard also checks it: each rank's block of the
-reduce-scatter carries one presence bit per parameter, and after the sum each must be 0 or the
-group size (NOTE [Collective positions]). A disagreement raises on every rank, naming the
-parameters, instead of leaving ranks whose shards silently diverge; deciding from the sums
-instead would need the host to read them every unit, every step.
+Real programs do not reach the same parameters on every rank: a mixture-of-experts layer routes
+each rank's tokens to different experts, an image encoder runs only where a batch has an image.
+One process on the union of the ranks' data gives a parameter the sum of the gradients of the
+ranks that used it, and leaves ``.grad`` None only where no rank did (DDP with
+``find_unused_parameters`` too). So a rank whose backward did not reach a parameter sends zeros
+for it (every rank issues the same collective), and each rank's block of the reduce-scatter
+ends in one presence bit per parameter ("this rank used it"): after the sum, a column holds how
+many ranks used the parameter. Then every rank sets ``.grad`` where *any* rank used it
+(``gradient_receivers``), so a rank that did not use a parameter contributes an exact zero.
+Deciding that on the host is free where the sums are host memory (gloo on CPU: the sums are
+read anyway) and costs a synchronisation per unit where they are device memory; so:
+
+- every rank used every parameter (the common case; known locally): ``.grad`` where it is,
+  nothing read, nothing added;
+- sums in host memory: ``.grad`` exactly where some rank used it (None where none did, as one
+  process and DDP); under HSDP the replicas' all-reduce carries the counts too (the ``k``
+  elements after the shard, ``shard_and_counts``);
+- sums on a device (the CUDA path), or no presence bits (a one-rank shard group under HSDP,
+  NO_SHARD): every trainable parameter gets ``.grad``, an exact zero where no rank used it. Reading the sums would cost a host synchronisation per unit
+  per step; the zero is what ``0 * p.sum()`` (the usual workaround) gives too. A parameter no
+  rank ever uses is then decayed by AdamW's weight decay where one process would leave it:
+  freeze it (``requires_grad_(False)``).
+
+Mispaired collectives are still caught by the tag bits that follow (NOTE [Collective
+positions]); a unit that some ranks skip entirely is NOTE [Optional units] (schedule.py).
 
 NOTE [Freezing after fully_shard]
 Fine-tuning freezes parameters after sharding: ``p.requires_grad_(False)`` on the sharded
@@ -51,11 +68,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fullshard.comm.collectives import Comm, Pending
 from fullshard.comm.desync import TAG_BITS, TAG_LEN, Position, Verdict
+from fullshard.comm.device import cuda_semantics, current_stream, use_stream
 from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.copy_in import CopyInGroup, gather_kind
 from fullshard.engine.extension import ExtensionGroup
@@ -219,6 +238,23 @@ def post_accumulate_hooks(p: ShardedParam) -> list[Callable[[torch.Tensor], None
     return list(hooks.values()) if hooks else []
 
 
+def run_all_reduce_hook(
+    hook: Callable[[torch.Tensor], None], stream: Any, shard: torch.Tensor
+) -> None:
+    """FSDP2's all-reduce hook: ``hook(reduce_output)`` on the unit's summed shard (after the
+    HSDP all-reduce, else after the reduce-scatter), before the division; e.g. torchft
+    all-reduces it across replica groups there. On ``stream`` (a ``torch.cuda.Stream``, on the
+    CUDA path only) when one was given."""
+    if stream is None:
+        hook(shard)
+        return
+    here = current_stream(shard.device)
+    stream.wait_stream(here)
+    with use_stream(stream):
+        hook(shard)
+    here.wait_stream(stream)
+
+
 def refuse_regrouping(
     groups: list[ShardGroup], unit: str, what: str, *, one_dtype: bool = False
 ) -> None:
@@ -236,6 +272,28 @@ def refuse_regrouping(
             f"unit '{unit}' mixes dtypes; reshard_after_forward as an int is supported "
             "for units of one dtype. Pass True or False, or shard the parts separately."
         )
+
+
+def gradient_receivers(flight: ReduceInFlight, k: int, world: int, replicated: bool) -> list[bool]:
+    """NOTE [Which gradients exist]: which of the ``k`` trainable parameters get ``.grad``
+    from this reduction (call once it has landed)."""
+    if all(flight.present):
+        return flight.present  # the common case: nothing to read
+    if world == 1 and not replicated:
+        return flight.present  # this rank is the whole group
+    if flight.position is None:
+        return [True] * k  # no presence bits here: an exact zero
+    counts = flight.out[flight.out.numel() - k - TAG_BITS : flight.out.numel() - TAG_BITS]
+    if cuda_semantics(counts.device):
+        return [True] * k  # reading would synchronise the host: an exact zero
+    return [c > 0 for c in counts.tolist()]
+
+
+def shard_and_counts(flight: ReduceInFlight, k: int) -> torch.Tensor:
+    """HSDP: the summed shard and, right after it, the ``k`` presence counts (NOTE [Which
+    gradients exist]), so that the replicas' all-reduce sums those too (a few elements)."""
+    n = flight.out.numel() - (k + TAG_BITS if flight.position is not None else 0)
+    return flight.out[: n + (k if flight.position is not None else 0)]
 
 
 def check_reduce_tags(
