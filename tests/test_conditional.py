@@ -72,6 +72,8 @@ def _cases(world: int) -> dict[str, Any]:
     cases["optional root"] = (_optional_root, ())
     cases["vlm undeclared, first step"] = (_vlm, ([some, every], False))
     cases["vlm undeclared, later step"] = (_vlm, ([every, some], False))
+    # no image anywhere in step 2: the encoder is in no recorded order when rank 0 runs it
+    cases["vlm undeclared, after a step without it"] = (_vlm, ([every, none, some], False))
     return cases
 
 
@@ -115,7 +117,7 @@ def test_an_optional_vision_tower_trains_as_one_process(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("when", ["first step", "later step"])
+@pytest.mark.parametrize("when", ["first step", "later step", "after a step without it"])
 def test_an_undeclared_skip_is_one_clear_error_on_every_rank(world: int, when: str) -> None:
     # NOTE [Units every rank runs]: never a hang, an abort in the transport, or a wrong answer
     res = case_results(_launch(world), f"vlm undeclared, {when}")

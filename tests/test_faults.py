@@ -76,7 +76,7 @@ def test_another_branch_is_caught_before_its_first_gather() -> None:
     for res in run_ranks(_desync, 2, "branch", timeout_s=90):
         assert res["type"] == "DesyncError", res
         msg = res["error"]
-        assert "(the first forward)" in msg, msg
+        assert "(the units check)" in msg, msg
         assert "rank 0: all_gather of unit 'blocks.1'" in msg, msg
         assert "rank 1: all_gather of unit 'blocks.2'" in msg, msg
         assert "set_optional()" in msg, msg

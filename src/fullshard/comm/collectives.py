@@ -79,9 +79,11 @@ class CommStats:
     step: int = 0
     names: dict[int, str] = field(default_factory=dict)
     debug: bool = field(default_factory=debug_enabled)
-    # fingerprint the forward all-gathers too, under this store key (a root's first forward:
-    # NOTE [Units every rank runs] in engine/schedule.py); "" when off
+    # fingerprint the forward all-gathers too, under this store key (a root's first forward,
+    # and a forward after one in which a unit ran on no rank: NOTE [Units every rank runs] in
+    # engine/schedule.py); "" when off. check_key: the last such key this rank wrote
     check_forward: str = ""
+    check_key: str = ""
 
     def next_position(self, kind: str, unit: str, phase: Phase, index: int) -> Position:
         """The position of the next collective this rank issues (and count it)."""
@@ -233,10 +235,12 @@ def _issue(
             and moves_data(group)
         )
         if (stats.debug or first) and position is not None:
-            fingerprint_check(
+            wrote = fingerprint_check(
                 position, tensor.numel(), tensor.dtype, group, tensor.device, timeout,
                 stats.names, first=stats.check_forward if first and not stats.debug else "",
+                previous=stats.check_key,
             )  # fmt: skip
+            stats.check_key = wrote or stats.check_key
     t0 = time.perf_counter()
     work = work_fn()
     timeline = stats.timeline if stats is not None else None

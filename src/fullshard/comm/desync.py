@@ -451,21 +451,28 @@ def fingerprint_check(
     timeout: timedelta,
     names: dict[int, str],
     first: str = "",
-) -> None:
+    previous: str = "",
+) -> str:
     """Exchange and compare a fixed-size fingerprint before a collective (debug mode), or,
-    with ``first`` (a key prefix), before a forward gather of a root's first forward (NOTE
-    [Units every rank runs]): through the store on the host path, so that it adds no
-    collective there."""
+    with ``first`` (a key prefix), before a forward gather of a forward the units check
+    watches (NOTE [Units every rank runs]): through the store on the host path, so that it adds
+    no collective there. Returns the store key this rank wrote ('' if none); ``previous``, the
+    one it wrote at its last check, is deleted once every rank has written this one (each rank
+    finished reading that one first), so that the store keeps one key per rank."""
     world = dist.get_world_size(group)
     if first and not cuda_semantics(device):
         values = [pos.seq, KINDS.index(pos.kind), pos.index, numel, pos.step]
         key = f"{first}/{'-'.join(map(str, _ranks(group, world)))}/{pos.seq}"
-        got = store_exchange(key, values, group, timeout, f"the first forward's gather #{pos.seq}")
+        got = store_exchange(
+            key, values, group, timeout, f"the checked forward's gather #{pos.seq}"
+        )
         if got is not None:
             if any(row != values for row in got):
                 rows_ = [[r[0], r[1], r[2], r[3], 0, r[4]] for r in got]
                 _fingerprint_error(torch.tensor(rows_), group, world, names, True)
-            return
+            if previous and previous.split("/")[-3] == key.split("/")[-2]:  # (the same group)
+                dist.distributed_c10d._get_default_store().delete_key(previous)
+            return f"{key}/{dist.get_rank()}"
     mine = torch.tensor(
         [
             pos.seq,
@@ -484,7 +491,7 @@ def fingerprint_check(
     timed_wait(work, timeout, interrupt_for(group))
     rows = everyone.view(world, -1).cpu()
     if bool((rows == mine.cpu().reshape(1, -1)).all()):
-        return
+        return ""
     _fingerprint_error(rows, group, world, names, bool(first))
 
 
@@ -510,7 +517,7 @@ def _fingerprint_error(
         )
     raise DesyncError(
         f"rank {dist.get_rank()}: collective mismatch caught before it ran "
-        f"({'the first forward' if first else 'debug mode'}): {'; '.join(lines)}. The ranks "
+        f"({'the units check' if first else 'debug mode'}): {'; '.join(lines)}. The ranks "
         f"ran different forward/backward sequences.{hint}"
     )
 

@@ -69,8 +69,16 @@ they run at a root's first forward (not under ``--elastic``, whose recovery rebu
 a quiet step) and under ``FULLSHARD_DEBUG_COLLECTIVES=1`` only; after that an
 undeclared skip meets the payload tags and the bounded waits of NOTE [Collective positions].
 
-Not caught before it runs (without debug mode): a unit that no rank ran in the previous
-forward runs on some ranks only (its gather is issued where the others issue their next one).
+3. A unit that ran on no rank is in no recorded order: if some ranks run it in the next
+   forward, its gather is issued where the others issue their next one, and gloo aborts on
+   the sizes before check 2 could run. So after a forward in which a non-optional unit ran on
+   no rank (every rank sees the same bits, and all decide alike), the next forward's gathers
+   are fingerprinted as the first forward's are. On the host path only; it costs nothing in
+   the common case (every unit runs), and a model that often leaves a unit unrun on every
+   rank should declare it optional. Each rank's check deletes its previous key, so the store
+   keeps one per rank.
+
+On the CUDA path, without debug mode, case 3 meets the payload tags and the bounded waits.
 """
 
 from __future__ import annotations
@@ -235,6 +243,7 @@ class StepSchedule:
         on_host = not cuda_semantics(root.mesh.device)
         self.check_first = on_host or interrupt_for(root.mesh.group) is None
         self.stats.check_forward = f"{self.key}/first" if self.check_first else ""
+        self.check_next = False  # a unit ran on no rank: fingerprint the next forward's gathers
         self.verdict = Verdict()
         self.verdict.names = self.stats.names
         for i, unit in enumerate(units):
@@ -275,6 +284,9 @@ class StepSchedule:
         self.prefetcher.begin_forward()
         self.forwarded.clear()
         self.in_forward = True
+        if self.check_next:  # NOTE [Units every rank runs], check 3
+            self.stats.check_forward = f"{self.key}/after{self.forwards}"
+            self.check_next = False
 
     def pre_forward(self, unit: CommUnit) -> None:
         unit.sync_requires_grad()  # NOTE [Freezing after fully_shard]
@@ -446,6 +458,11 @@ def check_units_ran(schedule: StepSchedule) -> None:
         rows = _exchange(schedule, mine, group, what)
         bad = [j for j in range(len(units)) if len({r[j] for r in rows}) > 1]
         if not bad:
+            # check 3: a unit that ran on no rank is in no recorded order; if some ranks run it
+            # in the next forward, its gather meets another unit's there (every rank sees the
+            # same rows, so all decide alike; on the host path only: the store is free there)
+            nowhere = any(not any(r[j] for r in rows) for j in range(len(units)))
+            schedule.check_next |= nowhere and not cuda_semantics(mesh.device)
             continue
         ranks = dist.get_process_group_ranks(group)
         lines = []
