@@ -33,18 +33,10 @@ from fullshard.elastic.pieces import (
     REPLICATED,
     Copies,
     HostCopy,
-    Unrecoverable,
-    choose_boundary,
     pieces_of,
     update_after_copies,
 )
-from fullshard.elastic.restore import (
-    assemble,
-    cut_for,
-    state_dicts,
-    target_boxes,
-    unpacked_parts,
-)
+from fullshard.elastic.restore import restore_boundary
 from fullshard.elastic.settle import Settle
 from fullshard.elastic.watcher import Watcher
 
@@ -551,46 +543,11 @@ class Manager:
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> int:
         """Load the newest boundary the participants hold into ``model``, ``optimizer`` and
         ``state`` (call on every rank of the new generation); returns its step."""
-        from fullshard.checkpoint.state_dict import get_state_dict, set_state_dict
-        from fullshard.comm import control
-
         m = self.membership
         assert m is not None, "join() first"
-        group = self.host_group
-        everyone = control.all_gather_objects((self.member, self.copies.held()), group)
-        held = {member: h for member, h in everyone}
-        layouts = {int(g): n for _, h in everyone for g, n in h["layouts"].items()}
-        chosen = choose_boundary(held, layouts)
-        if chosen is None:
-            newest = max(layouts, default=m.generation)
-            have = {k for h in held.values() for kind in ("own", "copy") for k in h[kind].values()}
-            missing = sorted(
-                {k for k in range(layouts.get(newest, 0)) if f"{newest}:{k}" not in have}
-            )
-            raise Unrecoverable(
-                f"the shards of rank(s) {missing} of generation {newest} are held by no "
-                "survivor (ring neighbours, or every replica of a shard, lost together)"
-            )
-        step, providers = chosen
-        # NOTE [Restore by blocks]: each rank receives the blocks of its new shards only
-        parts = unpacked_parts(
-            self.copies.provide(step, sorted(k for k, p in providers.items() if p == self.member))
+        step, loop_state, self.restored_bytes = restore_boundary(
+            model, optimizer, self.copies, self.member, m.rank, m.generation, self.host_group
         )
-        like, _ = get_state_dict(model, optimizer)  # the new layout, as built
-        boxes = control.all_gather_objects(target_boxes(like), group)
-        first = min(providers.values())  # the unsharded tensors and objects: from one
-        sends = [cut_for(parts, box, with_whole=self.member == first) for box in boxes]
-        received = control.all_to_all_bytes(sends, group)
-        self.restored_bytes = sum(r.numel() for r in received)
-        del parts, sends  # (views of this rank's host copies, which are cleared below)
-        blocks, whole = assemble(received, boxes[m.rank])
-        model_sd, optim_sd, loop_state = state_dicts(blocks, whole, like)
-        if optim_sd["param_groups"] is not None:
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-        else:  # before the first update: as built, and a built optimizer holds no state (the
-            # layout read above made some, with AdamW's step count at 1: a replayed step 1
-            # would then correct its moments as a second step's)
-            optimizer.state.clear()
         self.changes = list(loop_state.pop(MEMBERSHIP, []))
         state.clear()
         state.update(loop_state)

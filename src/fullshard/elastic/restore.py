@@ -30,8 +30,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
-from fullshard.elastic.pieces import Unrecoverable, _lower, unpacked
+from fullshard.elastic.pieces import Copies, Unrecoverable, _lower, choose_boundary, unpacked
 
 __all__ = [
     "Box",
@@ -39,6 +40,7 @@ __all__ = [
     "cut_for",
     "fqn_of",
     "plan_bytes",
+    "restore_boundary",
     "state_dicts",
     "target_boxes",
     "unpacked_parts",
@@ -229,3 +231,55 @@ def _placed(local: torch.Tensor, like: Any) -> Any:
         local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
         stride=like.stride(),
     )  # fmt: skip
+
+
+def restore_boundary(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    copies: Copies,
+    member: int,
+    rank: int,
+    generation: int,
+    group: Any,
+) -> tuple[int, dict[str, Any], int]:
+    """Choose the newest boundary the participants hold in full and load it into ``model`` and
+    ``optimizer`` at their new layout (call on every rank of the new generation, ``member``
+    being rank ``rank`` of ``generation``; ``group`` the host group). Returns the boundary's
+    step, its loop state and the bytes this rank received. :class:`Unrecoverable` when some
+    shard is held by no participant."""
+    from fullshard.checkpoint.state_dict import get_state_dict, set_state_dict
+    from fullshard.comm import control
+
+    everyone = control.all_gather_objects((member, copies.held()), group)
+    held = {m: h for m, h in everyone}
+    layouts = {int(g): n for _, h in everyone for g, n in h["layouts"].items()}
+    chosen = choose_boundary(held, layouts)
+    if chosen is None:
+        newest = max(layouts, default=generation)
+        have = {k for h in held.values() for kind in ("own", "copy") for k in h[kind].values()}
+        missing = sorted({k for k in range(layouts.get(newest, 0)) if f"{newest}:{k}" not in have})
+        raise Unrecoverable(
+            f"the shards of rank(s) {missing} of generation {newest} are held by no "
+            "survivor (ring neighbours, or every replica of a shard, lost together)"
+        )
+    step, providers = chosen
+    # NOTE [Restore by blocks]: each rank receives the blocks of its new shards only
+    parts = unpacked_parts(
+        copies.provide(step, sorted(k for k, p in providers.items() if p == member))
+    )
+    like, _ = get_state_dict(model, optimizer)  # the new layout, as built
+    boxes = control.all_gather_objects(target_boxes(like), group)
+    first = min(providers.values())  # the unsharded tensors and objects: from one
+    sends = [cut_for(parts, box, with_whole=member == first) for box in boxes]
+    received = control.all_to_all_bytes(sends, group)
+    nbytes = sum(r.numel() for r in received)
+    del parts, sends  # (views of this rank's host copies, which the caller clears)
+    blocks, whole = assemble(received, boxes[rank])
+    model_sd, optim_sd, loop_state = state_dicts(blocks, whole, like)
+    if optim_sd["param_groups"] is not None:
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    else:  # before the first update: as built, and a built optimizer holds no state (the
+        # layout read above made some, with AdamW's step count at 1: a replayed step 1
+        # would then correct its moments as a second step's)
+        optimizer.state.clear()
+    return step, loop_state, nbytes
