@@ -105,6 +105,10 @@ TRAIN = [
     (["--timeout", "0"], "--timeout must be positive"),
     (["--beta2", "1"], "--beta1 and --beta2 must be in [0, 1)"),
     (["--val-fraction", "1"], "--val-fraction must be in [0, 1)"),
+    (
+        ["--deterministic", "--optimizer-impl", "fused", "--device", "cpu"],
+        "--deterministic with --optimizer-impl fused on CPU",
+    ),
     # sharding
     (
         ["--strategy", "hybrid_shard", "--nproc", "3", "--batch-size", "15"],

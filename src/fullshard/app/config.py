@@ -41,6 +41,7 @@ __all__ = [
 
 MIXED_PRECISION = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")  # --optimizer-impl (app/train/build.py)
 BACKENDS = ("auto", "nccl", "gloo")  # --backend; fullshard.app.launch.local resolves them
 CONFIG_ENV = "FULLSHARD_TRAIN_CONFIG"  # the validated config a launcher hands its ranks (JSON)
 
@@ -118,6 +119,16 @@ class TrainConfig:
     beta2: float = _opt(0.95, "AdamW beta2", group="optimisation")
     clip: float = _opt(
         1.0, "clip the global gradient norm to this (0 disables)", group="optimisation"
+    )
+    optimizer_impl: str = _opt(
+        "auto",
+        "AdamW's implementation: auto (fused on the GPU path, where the device then skips a "
+        "non-finite step itself; torch's default elsewhere, a per-parameter loop on CPU), "
+        "for-loop, foreach or fused (on CPU several times faster than the loop, with other "
+        "rounding; a GPU run with for-loop or foreach has the host decide each step, one "
+        "synchronisation per step)",
+        group="optimisation",
+        choices=OPTIMIZER_IMPLS,
     )
     seed: int = _opt(1234, "seed for weights, data order and sampling", group="optimisation")
     # sharding

@@ -6,7 +6,10 @@ A torch optimizer over DTensor parameters dispatches every op of its step throug
 on the bench model (101 parameters) AdamW's foreach step took 8% longer than over plain
 tensors viewing the same shards (``scripts/bench_optim.py``), as FSDP2's does. For optimizers
 whose update is elementwise (SGD, Adam, AdamW, ...), the rows a rank holds are updated exactly
-as the whole tensor would be, so the step itself needs no DTensor: a global step pre-hook swaps,
+as the whole tensor would be (one exception: torch's CPU ``fused=True`` kernels compute the
+elements past a tensor's last full vector in double precision, so there the bits depend on the
+shard's length, which ``fullshard train --deterministic`` refuses), so the step itself needs no
+DTensor: a global step pre-hook swaps,
 for the duration of ``step()``, each fullshard parameter in the optimizer's groups for a plain
 parameter over the same local tensor (its gradient and state likewise), and the post-hook swaps
 them back, wrapping any state the step created as DTensors of the parameter's layout. Outside

@@ -25,7 +25,15 @@ from fullshard.app.train.steps import Accumulate, Batches, Decider, DeviceStep, 
 from fullshard.app.train.verdict import DeviceSchedule, fused_adamw_available
 from fullshard.comm.device import cuda_semantics
 
-__all__ = ["Built", "RankData", "build_rank", "lr_lambda", "param_groups", "rank_data"]
+__all__ = [
+    "Built",
+    "RankData",
+    "adamw_implementation",
+    "build_rank",
+    "lr_lambda",
+    "param_groups",
+    "rank_data",
+]
 
 
 # Parameter-name fragments that get no weight decay: decaying biases, norm gains or embedding
@@ -53,6 +61,15 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def adamw_implementation(impl: str, on_device: bool) -> dict[str, bool]:
+    """AdamW's keyword arguments for ``--optimizer-impl impl``; ``auto``: fused where the device
+    decides the step (``on_device``), else torch's own default (the per-parameter loop for host
+    tensors, foreach for CUDA ones)."""
+    if impl == "auto":
+        return {"fused": True} if on_device else {}
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
 
 
 @dataclass
@@ -132,12 +149,19 @@ def build_rank(
     # Not with --cpu-offload: the optimizer's parameters live on the host, whose kernel would
     # read a device lr and found_inf before their copies land (NOTE [Kernel contracts]); the
     # host waits for the gradients there anyway, and decides the step itself
-    on_device = cuda_semantics(device) and fused_adamw_available(device) and not cfg.cpu_offload
+    # Only fused AdamW takes found_inf, so a GPU run with --optimizer-impl for-loop or foreach
+    # has the host decide
+    on_device = (
+        cuda_semantics(device)
+        and cfg.optimizer_impl in ("auto", "fused")
+        and fused_adamw_available(device)
+        and not cfg.cpu_offload
+    )
     opt = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
-        **({"fused": True} if on_device else {}),
+        **adamw_implementation(cfg.optimizer_impl, on_device),
     )
 
     def multiplier(step: int) -> float:
