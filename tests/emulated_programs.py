@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from freeze_programs import schedule
 from fsdp2_programs import Net
 from toy import Block, batches, loss_of
 
-from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fullshard import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from fullshard.testing import emulation
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce in bf16: defect 1's case
@@ -52,9 +53,12 @@ CONFIGS: dict[str, tuple[dict[str, Any], int]] = {
     # reduce stream) and all-reduce (all-gather and a sum on the all-reduce stream), every
     # micro-batch reduced into the tree of gradients, the fixed-order norm
     "fixed_order_hsdp": ({"hsdp": True, "fixed_order": True, "sync_each": True}, 2),
-    # NOTE [Freezing after fully_shard]: blocks.0 frozen at step 1 and unfrozen at step 2, so
-    # the unit's reduce layout changes between quiet steps
+    # NOTE [Freezing after fully_shard]: freeze_programs.schedule's seeded freezes and thaws,
+    # so units' reduce layouts change between quiet steps; without a root, every unit is its own
+    # root and keeps its parameters (reshard_after_forward=False), so units no backward reached
+    # are left gathered when they thaw
     "freeze_unfreeze": ({"freeze": True}, 1),
+    "freeze_schedule_no_root": ({"freeze": True, "no_root": True}, 1),
 }
 
 
@@ -66,6 +70,10 @@ def _build(world: int, kw: dict[str, Any]) -> Net:
     kw.pop("sync_each", None)
     kw.pop("freeze", None)
     fixed = kw.pop("fixed_order", False)
+    if kw.pop("no_root", False):
+        for m in (model.embed, *model.blocks, model.norm, model.head):
+            fully_shard(m, mesh=_mesh(world, False), reshard_after_forward=False, **kw)
+        return model
     if kw.pop("tp", False):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (
@@ -148,21 +156,26 @@ def _train(
     if tp:  # the two ranks of a TP group read the same batch
         rank = rank // 2 * 2
     counts = []
+    held = dict(model.named_parameters())  # the sharded parameters the optimizer holds
+    pattern = schedule(steps) if freeze else []
     for step in range(steps):
-        if step == 1 and emu is not None:
+        if step == 1 and emu is not None and isinstance(model, FSDPModule):
             from fullshard.engine.sharding import subscribe
 
             emu.owned["probe"].works = []  # the first step's, waited for at its end
             subscribe(model, emu.owned["probe"])
         if emu is not None:
             emulation.reset_sync_counts()
-        if freeze:
-            for p in model.blocks[0].parameters():
-                p.requires_grad_(step != 1)
+        if freeze:  # on what the modules show, and on the optimizer's parameters
+            for n, p in (dict(model.named_parameters()) if step % 2 else held).items():
+                p.requires_grad_(n not in pattern[step])
         for k in range(micro):
             last = k == micro - 1
-            model.set_requires_gradient_sync(last or sync_each)
+            for m in _fsdp_modules(model):
+                m.set_requires_gradient_sync(last or sync_each, recurse=False)
             loss = loss_of(model, data[step * micro + k][rank])
+            if not loss.requires_grad:
+                continue  # the schedule froze everything this step
             if tree is None:
                 loss.backward()
             else:
@@ -179,8 +192,19 @@ def _train(
     return counts
 
 
+def _local_weights(model: Net) -> dict[str, torch.Tensor]:
+    """This rank's shards (a unit without a root may be left gathered: reshard it first)."""
+    for m in _fsdp_modules(model):
+        m.reshard()
+    return {k: v.to_local().detach().clone() for k, v in model.named_parameters()}
+
+
+def _fsdp_modules(model: Net) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 def _units(model: Net) -> list[Any]:
-    return model._units(recurse=True)  # type: ignore[operator]
+    return [m._fullshard_state.unit for m in _fsdp_modules(model)]
 
 
 def run_config(
@@ -190,13 +214,13 @@ def run_config(
     kw, micro = CONFIGS[name]
     tp, ckpt, each = kw.get("tp", False), kw.get("checkpoint", False), kw.get("sync_each", False)
     freeze = kw.get("freeze", False)
-    steps = 3 if freeze else steps
+    steps = 6 if freeze else steps
     plain = _build(world, kw)
     _train(plain, rank, world, micro, steps, None, tp, each, freeze)
     if ckpt:
         plain = _reloaded(plain, world, kw, rank, "plain")
         _train(plain, rank, world, micro, 1, None, tp)
-    expected = {k: v.to_local().detach().clone() for k, v in plain.named_parameters()}
+    expected = _local_weights(plain)
     error, counts, sites, early = None, [], {}, 0
     with MUTATIONS[mutation]() if mutation else contextlib.nullcontext():
         try:
@@ -210,7 +234,7 @@ def run_config(
                         _train(model, rank, world, micro, 1, None, tp)
                 early = probe.early
                 sites = {f"{k} at {s}": n for (k, s), n in emulation.sync_counts().items()}
-                got = {k: v.to_local().detach().clone() for k, v in model.named_parameters()}
+                got = _local_weights(model)
         except emulation.StreamOrderError as exc:
             error = str(exc)
     same = error is None and all(torch.equal(expected[k], got[k]) for k in expected)

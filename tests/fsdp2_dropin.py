@@ -1,7 +1,8 @@
 """FSDP2 programs for what the rest of torch's FSDP2 tests and the frameworks that call
-``fully_shard`` exercise (issue 33): freezing and unfreezing after ``fully_shard``, loading into
-meta-initialised shards with ``assign=True``, structured activations and activation
-checkpointing under mixed precision, ``fully_shard.state``, FSDP2's error types.
+``fully_shard`` exercise (issue 33): loading into meta-initialised shards with ``assign=True``,
+structured activations and activation checkpointing under mixed precision,
+``fully_shard.state``, FSDP2's error types. (Freezing and thawing after ``fully_shard``:
+``tests/freeze_programs.py``.)
 
 ``dropin_program`` runs every case in one launch (as ``fsdp2_gaps.gaps_program``) under torch's
 ``fully_shard`` or fullshard's, and returns per case the largest difference from one process in
@@ -18,48 +19,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from fsdp2_gaps import run_all
-from fsdp2_programs import Net, _ref_step, _setup, _train_against, api_of, max_diff, shard
+from fsdp2_programs import Net, _setup, _train_against, api_of, max_diff, shard
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from toy import DIM, batches, loss_of
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _freeze(model: nn.Module, frozen: bool) -> None:
-    for p in model.blocks[0].parameters():  # type: ignore[union-attr]
-        p.requires_grad_(not frozen)
-
-
-def _freeze_between_steps(rank: int, world: int, impl: str) -> dict:
-    """Freeze a block after fully_shard (the usual fine-tuning step), step, unfreeze, step,
-    freeze again, step: frozen weights stay bit for bit, the rest equals one process."""
-    ref, model = _setup()
-    shard(model, impl)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    data = batches(3, world)
-    unchanged, moved = [], []
-    for step, frozen in enumerate((True, False, True)):
-        for m in (model, ref):
-            _freeze(m, frozen)
-        before = {k: _full(v).clone() for k, v in model.named_parameters() if "blocks.0" in k}
-        loss_of(model, data[step][rank]).backward()
-        _ref_step(ref, data[step], world)
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-        after = {k: _full(v) for k, v in model.named_parameters() if "blocks.0" in k}
-        same = all(torch.equal(before[k], after[k]) for k in before)
-        (unchanged if frozen else moved).append(same)
-    diff = max_diff(dict(model.named_parameters()), dict(ref.named_parameters()))
-    return {
-        "diff": diff,
-        "frozen_bitwise_unchanged": all(unchanged),
-        "unfrozen_trained": not any(moved),
-    }
 
 
 class _Pair(NamedTuple):
@@ -271,7 +234,6 @@ def _state_accessor(rank: int, world: int, impl: str) -> dict:
 
 
 CASES: dict[str, Callable[[int, int, str], dict]] = {
-    "freeze, unfreeze, freeze between steps after fully_shard": _freeze_between_steps,
     "structured activations under mixed precision": _structured_activations,
     "load_state_dict(assign=True) into meta shards": _load_assign_into_meta,
     "activation checkpointing under mixed precision": _checkpoint_under_mixed_precision,

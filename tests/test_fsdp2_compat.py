@@ -168,7 +168,7 @@ def test_shard_placement_fn_matches_fsdp2() -> None:
 
 
 def test_what_frameworks_and_the_rest_of_torchs_tests_exercise_under_both_imports() -> None:
-    # every case of fsdp2_dropin.CASES (issue 33), one program: the freeze above all
+    # every case of fsdp2_dropin.CASES (issue 33), one program
     res = _both(fsdp2_dropin.dropin_program)
     for case in fsdp2_dropin.CASES:
         per = {i: [r[case] for r in res[i]] for i in IMPLS}

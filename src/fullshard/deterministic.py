@@ -149,12 +149,14 @@ class GradientTree:
 
     Call :meth:`push` after each micro-step's backward (it takes the parameters' ``.grad``) and
     :meth:`finish` after the last (it sets ``.grad`` to the step's sum). A parameter without a
-    gradient in one micro-step adds nothing there (``x + 0`` is ``x``).
+    gradient in one micro-step adds nothing there (``x + 0`` is ``x``). Every parameter given
+    is followed, frozen ones too, so one thawed between steps (NOTE [Freezing after
+    fully_shard]) sums in the tree like the rest.
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor], plan: MicroBatches, world: int):
         plan.check_world(world)
-        self.params = [p for p in parameters if p.requires_grad]
+        self.params = list(parameters)
         self.per_chunk = plan.chunk // world  # micro-steps per balanced chunk
         self._stack: list[tuple[int, list[torch.Tensor | None]]] = []
         self._total: list[torch.Tensor | None] | None = None

@@ -17,6 +17,7 @@ from torch import nn
 
 from fullshard.engine.hooks import FSDPState, outside_compile
 from fullshard.engine.unit import CommUnit
+from fullshard.engine.unit_parts import refuse_narrow_fixed_order
 from fullshard.policies import (
     FullshardAssertionError,
     FullshardError,
@@ -146,17 +147,7 @@ class FSDPModule:
                 f"unit '{unit.name}' has a custom reduce-scatter: fixed-order mode sums the "
                 "ranks' blocks itself; drop set_custom_reduce_scatter"
             )
-        narrow = [
-            p.fqn
-            for p in unit.trainable
-            if torch.finfo(unit.reduce_dtype).bits < torch.finfo(p.sharded.dtype).bits
-        ]
-        if narrow:
-            raise FullshardError(
-                f"unit '{unit.name}' reduces {narrow[0]} in {unit.reduce_dtype}, narrower than "
-                "the parameter: fixed-order mode needs MixedPrecisionPolicy(reduce_dtype=) "
-                "equal to the parameters' dtype (e.g. torch.float32 with bf16 compute)"
-            )
+        refuse_narrow_fixed_order(unit.trainable, unit.reduce_dtype, unit.name)
         unit.comm.fixed_order = True
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:

@@ -310,18 +310,15 @@ class ShardedParam:
         self.unsharded = param
         self._hook_unsharded()
 
-    def sync_requires_grad(self) -> bool:
-        """NOTE [Freezing after fully_shard]: take ``requires_grad`` from the sharded parameter
-        (what the user froze or unfroze) onto the gathered one; whether it changed."""
-        want = self.sharded.requires_grad
-        if want == self.requires_grad:
-            return False
+    def set_requires_grad(self, want: bool) -> None:
+        """NOTE [Freezing after fully_shard]: ``want`` on every object of this parameter (the
+        sharded one, its local rows, the gathered one), whichever of them the user changed;
+        a newly trainable gathered parameter gets the post-backward hooks."""
         self.requires_grad = want
-        for t in (getattr(self.sharded, "_fullshard_local", None), self.unsharded):
-            if t is not None:
+        for t in (self.sharded, getattr(self.sharded, "_fullshard_local", None), self.unsharded):
+            if t is not None and t.requires_grad is not want:
                 t.requires_grad_(want)
         self._hook_unsharded()
-        return True
 
     def make_unsharded(self, view: torch.Tensor) -> nn.Parameter:
         """Create (or re-point) the gathered parameter on ``view``.

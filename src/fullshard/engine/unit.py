@@ -76,7 +76,9 @@ from fullshard.engine.unit_parts import (
     post_accumulate_hooks,
     pre_divide_factor,
     reduce_dtype_of,
+    refuse_narrow_fixed_order,
     refuse_regrouping,
+    refuse_unreduced_change,
     run_all_reduce_hook,
     shard_and_counts,
     unit_layout,
@@ -165,19 +167,27 @@ class CommUnit:
         world, dims = self.mesh.world_size, [p.dim for p in self.trainable]
         self.grad_layout = FlatLayout([p.shape for p in self.trainable], world, dims=dims)
         self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
+        if self.comm.fixed_order:  # fullshard.deterministic: checked again for what thawed
+            refuse_narrow_fixed_order(self.trainable, self.reduce_dtype, self.name)
 
     def sync_requires_grad(self) -> None:
         """NOTE [Freezing after fully_shard]: at each forward, follow ``requires_grad_`` calls
-        made on the sharded parameters since the last one."""
-        changed = False
-        for p in self.params:
-            changed = p.sync_requires_grad() or changed
+        made since the last one on either object of a parameter (the sharded one, or the
+        gathered one while the modules showed it)."""
+        # one comprehension of attribute reads per unit, no call per parameter (bools: ``is``)
+        changed = [
+            p
+            for p in self.params
+            if p.sharded.requires_grad is not p.requires_grad
+            or (p.unsharded is not None and p.unsharded.requires_grad is not p.requires_grad)
+        ]
         if not changed:
             return
         self.finish_reduce()  # a reduction in flight was packed in the old layout
+        refuse_unreduced_change(changed, self.accumulated, self.partial_reduce, self.name)
+        for p in changed:
+            p.set_requires_grad(not p.requires_grad)
         self._set_trainable()
-        kept = {id(p) for p in self.trainable}
-        self.accumulated = {k: v for k, v in self.accumulated.items() if k in kept}
 
     # -- the single-dtype view most callers want ------------------------------------------
     @property

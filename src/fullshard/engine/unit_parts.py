@@ -50,17 +50,32 @@ Mispaired collectives are still caught by the tag bits that follow (NOTE [Collec
 positions]); a unit that some ranks skip entirely is NOTE [Optional units] (schedule.py).
 
 NOTE [Freezing after fully_shard]
-Fine-tuning freezes parameters after sharding: ``p.requires_grad_(False)`` on the sharded
-parameter the optimizer and ``model.parameters()`` see. Autograd, though, computes with the
-gathered parameter, a different object. So at every forward each unit compares the sharded
-parameters' ``requires_grad`` with what it last saw (one attribute read per parameter, as FSDP2
-does at each unshard) and, on a change, sets it on the gathered parameter, puts the
-post-accumulate-grad hooks of NOTE [Post-backward events] on a newly trainable one, and rebuilds
-``trainable``: the reduce-scatter's layout, reduce dtype and presence bits then cover exactly
-the trainable parameters, and a frozen one gets no gradient, so the optimizer leaves it as it
-is. Unfreezing works the same way. Freezing takes effect at the next forward (a backward already
-recorded keeps its graph, as in plain PyTorch), and every rank must freeze the same parameters,
-as FSDP2 requires: the reduce-scatter's size follows them.
+Fine-tuning freezes and thaws parameters after sharding, between steps, with ``requires_grad_``
+on either object of a parameter: the sharded one (what the optimizer holds, and what
+``model.parameters()`` yields while the unit is sharded) or the gathered one (what it yields
+while the unit is gathered). A unit can stay gathered into the next step: one that keeps its
+parameters after forward (every unit without a root unit above it, by FSDP2's default; a root)
+and that no backward reached (its parameters and inputs needed no gradient). Autograd computes
+with the gathered parameter. So at every forward, before the unit's graph is recorded, each
+unit compares both objects' flags with what it last saw (one comprehension of attribute reads
+per unit, no call per parameter, nothing on the device); a change on either is set on the other
+(and on the local rows of NOTE [Local optimizer steps]), a newly trainable gathered parameter
+gets the post-accumulate-grad hooks of NOTE [Post-backward events], a reduction in flight
+finishes, and ``trainable`` is rebuilt: the reduce-scatter's layout, reduce dtype (FSDP2's rule,
+applied to what trains now: a unit frozen at its first forward reduces in ``reduce_dtype`` once
+thawed, where torch 2.13's FSDP2 raises, pytorch#186998) and presence bits cover exactly the
+trainable parameters, so a frozen one gets no gradient and the optimizer leaves it as it is.
+Missing a change is worse than a wrong answer: a gathered parameter that requires grad outside
+``trainable`` is missing from the post-backward count, so the unit is freed while autograd still
+reads it (before issue 41: a thawed unit left gathered trained nothing, or segfaulted).
+
+A change takes effect at the next forward (a backward already recorded keeps its graph, as in
+plain PyTorch), and every rank must change the same parameters, as FSDP2 requires (the
+reduce-scatter's size follows them). A change while gradients kept without sync (NOTE
+[Accumulating without sync]) still wait to be reduced in the old layout is refused: they would
+be lost. Under ``fullshard.deterministic`` the reduce dtype is checked again for what thawed, and
+``GradientTree`` follows every parameter it was given, frozen or not. On the CUDA path all of
+this is host bookkeeping: finishing a reduction in flight is a stream wait.
 """
 
 from __future__ import annotations
@@ -272,6 +287,47 @@ def refuse_regrouping(
             f"unit '{unit}' mixes dtypes; reshard_after_forward as an int is supported "
             "for units of one dtype. Pass True or False, or shard the parts separately."
         )
+
+
+def refuse_narrow_fixed_order(
+    trainable: list[ShardedParam], reduce_dtype: torch.dtype, unit: str
+) -> None:
+    """``fullshard.deterministic`` sums in a tree whose partial sums must not be rounded: a
+    reduce dtype narrower than a trainable parameter is refused (at ``enable``, and again when
+    a parameter thaws: NOTE [Freezing after fully_shard])."""
+    bits = torch.finfo(reduce_dtype).bits
+    narrow = [p.fqn for p in trainable if bits < torch.finfo(p.sharded.dtype).bits]
+    if narrow:
+        raise FullshardError(
+            f"unit '{unit}' reduces {narrow[0]} in {reduce_dtype}, narrower than the "
+            "parameter: fixed-order mode needs MixedPrecisionPolicy(reduce_dtype=) equal to "
+            "the parameters' dtype (e.g. torch.float32 with bf16 compute)"
+        )
+
+
+def refuse_unreduced_change(
+    changed: list[ShardedParam],
+    accumulated: dict[int, torch.Tensor],
+    partial_reduce: torch.Tensor | None,
+    unit: str,
+) -> None:
+    """NOTE [Freezing after fully_shard]: ``requires_grad`` changed while gradients kept
+    without sync (NOTE [Accumulating without sync]) wait to be reduced in the old layout."""
+    names = [
+        p.fqn
+        for p in changed
+        if id(p) in accumulated or (p.unsharded is not None and p.unsharded.grad is not None)
+    ]
+    if not names and partial_reduce is None:
+        return
+    what = f"parameter(s) {', '.join(names)}" if names else "the unit's reduce-scatter"
+    raise FullshardError(
+        f"rank {changed[0].mesh.rank}: requires_grad of {', '.join(p.fqn for p in changed)} in "
+        f"unit '{unit}' changed while gradients accumulated without sync "
+        f"(set_requires_gradient_sync(False) / set_requires_all_reduce(False)) for {what} "
+        "are not reduced yet; they are reduced in the old layout, so they would be lost. "
+        "Change requires_grad between steps, after the backward that reduces."
+    )
 
 
 def gradient_receivers(flight: ReduceInFlight, k: int, world: int, replicated: bool) -> list[bool]:
