@@ -26,6 +26,7 @@ from fullshard.engine.collect import (
 )
 from fullshard.engine.consistency import OPTIMIZER_GUARD, check_same_model, signature
 from fullshard.engine.cpu_rng import install_cpu_shard_rng
+from fullshard.engine.fsdp2_interop import register_state_with_torch
 from fullshard.engine.fsdp_module import (
     FSDPModule,
     UnshardHandle,
@@ -186,6 +187,7 @@ def fully_shard(
         m._fullshard_state = state  # type: ignore[assignment]
         m.__class__ = fsdp_class(type(m))  # type: ignore[arg-type]
         register_with_torch(m)
+        register_state_with_torch(m, state)  # NOTE [What pipelining reads from an FSDP2 module]
     return module
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard.engine.fsdp2_interop import TORCH_FSDP_MODULE
 from fullshard.engine.hooks import FSDPState, outside_compile
 from fullshard.engine.unit import CommUnit
 from fullshard.engine.unit_parts import refuse_narrow_fixed_order
@@ -287,8 +288,11 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
 @functools.cache
 def fsdp_class(cls: type) -> type:
     """The ``FSDPModule`` subclass of ``cls`` a sharded module of class ``cls`` becomes: one
-    per original class, so ``isinstance(m, OriginalClass)`` stays true."""
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    per original class, so ``isinstance(m, OriginalClass)`` stays true; torch's
+    ``FSDPModule`` last, so that torch's code that imported it recognises the module too
+    (NOTE [What pipelining reads from an FSDP2 module])."""
+    bases = (FSDPModule, cls, TORCH_FSDP_MODULE)
+    return type(f"FSDP{cls.__name__}", bases, {"__module__": cls.__module__})
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -14,6 +14,22 @@ first event of a backward we ask the engine which of those nodes it will execute
 unit's post-backward at the earliest correct moment, also for unused parameters, frozen
 parameters, activation checkpointing and ``backward(inputs=...)``.
 
+NOTE [Backwards restricted to inputs]
+``torch.autograd.grad(out, inputs)`` and ``out.backward(inputs=...)`` run only the part of the
+graph that leads to ``inputs``: pipelining's first step computes each stage's input gradients
+so (its metadata inference), as does a gradient penalty. Such a backward gives a unit's
+parameters no gradient unless it reaches them, and what it reaches is decided by each rank's
+own graph, as is whether the unit's backward runs there at all. So a unit whose parameters a
+restricted backward does not reach on this rank is not reduced in it (FSDP2 skips a unit
+without gradients too; the gradients it accumulated wait for the next reduction), while every
+unrestricted ``.backward()`` reduces each unit whose backward ran, zeros included, so that
+ranks that used different parameters stay paired (NOTE [Which gradients exist]). Autograd says
+whether a node will run (``_will_engine_execute_node``), not whether the backward is
+restricted; a leaf of the state's own, ``_probe``, tells: it is an input of each
+``_PostBackwardInputs`` node, so it is in the graph whenever one of those runs, and it is
+never among ``inputs``, so it would run exactly when nothing is restricted (it never gets a
+gradient: no ``.grad``, no work). Where no such node runs, the unit reduces as before.
+
 NOTE [Partial forwards of a list unit]
 A unit of several modules (``fully_shard([norm, head])``) is gathered when the first of them
 starts forward and finished (freed, as asked) when every one has run, as in FSDP2. Two patterns
@@ -53,6 +69,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fullshard.engine.fsdp2_interop import ParamGroupView, StateContextView
 from fullshard.engine.schedule import ExplicitPrefetch, StepSchedule
 from fullshard.engine.unit import CommUnit
 from fullshard.engine.unit_parts import UnitState
@@ -67,10 +84,13 @@ outside_compile = torch._disable_dynamo
 
 
 class _PostBackwardInputs(torch.autograd.Function):
-    """Identity on the unit's inputs whose backward is one post-backward event."""
+    """Identity on the unit's inputs whose backward is one post-backward event; ``probe`` (NOTE
+    [Backwards restricted to inputs]) is an input too, and never gets a gradient."""
 
     @staticmethod
-    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, state: FSDPState, probe: torch.Tensor, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.state = state
         return tuple(t.view_as(t) for t in inputs)
 
@@ -78,7 +98,7 @@ class _PostBackwardInputs(torch.autograd.Function):
     @outside_compile
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         ctx.state.on_post_backward_event()
-        return (None, *grads)
+        return (None, None, *grads)
 
 
 class FSDPState:
@@ -103,6 +123,7 @@ class FSDPState:
         self.tree: list[FSDPState] = []  # root only: every state under it, itself included
         # weak references to this step's input nodes (NOTE [Post-backward events])
         self._input_nodes: list[weakref.ref[Node]] = []
+        self._probe: torch.Tensor | None = None  # NOTE [Backwards restricted to inputs]
         self._events: tuple[int, list[int]] | None = None  # (graph task, [seen, expected])
         # original_uid(parameter) -> fqn of the original parameters, to catch ties across units
         self.original_uids: dict[int, str] = {}
@@ -166,6 +187,23 @@ class FSDPState:
             # units' None became True when their parent was sharded: ``fully_shard``)
             self.unit.reshard_after_forward = False
         self.is_root = True
+
+    # -- FSDP2's private state as pipelining reads it (NOTE [What pipelining reads from an
+    # FSDP2 module], fsdp2_interop.py) ---------------------------------------------------------
+    @property
+    def _state_ctx(self) -> StateContextView:
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        return StateContextView(list(root.tree))
+
+    @property
+    def _fsdp_param_groups(self) -> list[ParamGroupView]:
+        return [ParamGroupView(self.unit, self.schedule)] if self.unit.params else []
+
+    def _root_post_backward_final_callback(self) -> None:
+        if self.schedule is not None:
+            self.schedule.end_backward()
 
     # -- forward --------------------------------------------------------------------------
     @outside_compile
@@ -252,7 +290,10 @@ class FSDPState:
         inputs = [t for t in tensor_leaves((args, kwargs)) if t.requires_grad]
         if not inputs:
             return args, kwargs
-        outs = _PostBackwardInputs.apply(self, *inputs)
+        device = inputs[0].device
+        if self._probe is None or self._probe.device != device:
+            self._probe = torch.zeros((), device=device, requires_grad=True)
+        outs = _PostBackwardInputs.apply(self, self._probe, *inputs)
         node = outs[0].grad_fn
         assert node is not None
         it = iter(outs)  # the same tensors, in the same order, as ``inputs``
@@ -273,7 +314,7 @@ class FSDPState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         assert self.schedule is not None
         _refuse_compiled_autograd(self.unit.name)
-        self.schedule.pre_backward(self.unit)
+        self.schedule.pre_backward(self.unit, accumulates=self._backward_accumulates())
 
     @outside_compile
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
@@ -290,16 +331,30 @@ class FSDPState:
         if counts[0] == counts[1]:
             self.schedule.post_backward(self.unit)
 
-    def _expected_events(self) -> int:
+    def _param_nodes(self) -> list[Node]:
         nodes: list[Node] = []
         for p in self.unit.trainable:
             assert p.unsharded is not None
             nodes.append(torch.autograd.graph.get_gradient_edge(p.unsharded).node)
-        for ref in self._input_nodes:
-            node = ref()
-            if node is not None:
-                nodes.append(node)
+        return nodes
+
+    def _live_input_nodes(self) -> list[Node]:
+        return [n for n in (ref() for ref in self._input_nodes) if n is not None]
+
+    def _expected_events(self) -> int:
+        nodes = self._param_nodes() + self._live_input_nodes()
         return sum(1 for n in nodes if torch._C._will_engine_execute_node(n))
+
+    def _backward_accumulates(self) -> bool:
+        """NOTE [Backwards restricted to inputs]: whether this backward can give the unit's
+        parameters a gradient on some rank (``False`` only where it is restricted to
+        ``inputs`` and reaches none of them here)."""
+        will_run = torch._C._will_engine_execute_node
+        if self._probe is None or not any(will_run(n) for n in self._live_input_nodes()):
+            return True  # the probe is not in this graph: keep the reduction every rank makes
+        if will_run(torch.autograd.graph.get_gradient_edge(self._probe).node):
+            return True  # not restricted
+        return any(will_run(n) for n in self._param_nodes())
 
 
 def _engine_only() -> contextlib.AbstractContextManager[Any]:

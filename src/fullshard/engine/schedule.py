@@ -259,6 +259,8 @@ class StepSchedule:
         # per-backward bookkeeping: units whose backward started / finished
         self.backward_started: set[CommUnit] = set()
         self.backward_done: set[CommUnit] = set()
+        # NOTE [Backwards restricted to inputs]: units this backward gives no gradient here
+        self.no_gradients: set[CommUnit] = set()
         self.forwarded: set[CommUnit] = set()
         self.listeners: list[Listener] = []
         self.is_last_backward = True  # FSDPModule.set_is_last_backward
@@ -344,10 +346,17 @@ class StepSchedule:
         self._callback_task = task
         Variable._execution_engine.queue_callback(self.end_backward)
 
-    def pre_backward(self, unit: CommUnit) -> None:
+    def pre_backward(self, unit: CommUnit, accumulates: bool = True) -> None:
+        """The unit's backward starts; ``accumulates=False``: a backward restricted to inputs
+        that gives its parameters no gradient on this rank, which it does not reduce (NOTE
+        [Backwards restricted to inputs], hooks.py)."""
         self.ensure_end_of_backward_callback()
         self.backward_started.add(unit)
         self.backward_done.discard(unit)
+        if accumulates:
+            self.no_gradients.discard(unit)
+        else:
+            self.no_gradients.add(unit)
         if unit.unshard_in_backward:
             unit.wait_for_unshard(Phase.BACKWARD)
         self.prefetcher.prefetch(self.prefetcher.backward_targets(unit), Phase.BACKWARD)
@@ -357,11 +366,19 @@ class StepSchedule:
         """The unit's backward is over: reduce-scatter its gradients and free it."""
         if unit in self.backward_done:
             return
+        self.requested_post_backward(unit)
+
+    def requested_post_backward(self, unit: CommUnit) -> None:
+        """The unit's post-backward, also when asked for outside autograd (FSDP2's
+        ``FSDPParamGroup.post_backward()``, which pipelining calls at REDUCE_GRAD once its
+        microbatches accumulated without sync: NOTE [What pipelining reads from an FSDP2
+        module]); the root's ``end_backward`` then lands the reductions."""
         self.backward_done.add(unit)
         self._emit(Point.BACKWARD_END, unit)
         if unit.optional:
             return  # NOTE [Optional units]: reduced at the end of backward, on every rank
-        self._reduce(unit)
+        if unit not in self.no_gradients:
+            self._reduce(unit)
         if unit.reshard_after_backward:
             unit.reshard()
             self._emit(Point.FREE, unit)
@@ -408,6 +425,7 @@ class StepSchedule:
         self._emit(Point.BACKWARD_DONE, self.root)
         self.backward_started.clear()
         self.backward_done.clear()
+        self.no_gradients.clear()
         self._callback_task = None
         self.step += 1
         self.stats.step = self.step
@@ -429,6 +447,7 @@ class StepSchedule:
         self._reducing.clear()
         self.backward_started.clear()
         self.backward_done.clear()
+        self.no_gradients.clear()
         self.forwarded.clear()
         self._callback_task = None
         self.in_forward = False
