@@ -14,6 +14,17 @@ first event of a backward we ask the engine which of those nodes it will execute
 unit's post-backward at the earliest correct moment, also for unused parameters, frozen
 parameters, activation checkpointing and ``backward(inputs=...)``.
 
+A frozen parameter has no event of its own: the nodes that read it are counted only through
+where their gradients go, (b) or a trainable parameter of the unit upstream. When no input of
+the unit needs a gradient, they may go elsewhere: QLoRA's root holds a frozen base head whose
+backward (the gradient of the last block's output) runs after the head's adapters have
+accumulated, and freeing the root there freed the weight that node still reads (issue 41: a
+plain weight's backward raised "storage of size 0", NF4's crashed). So a unit with frozen
+parameters and no input event in this backward is ended by NOTE [End of backward] instead, as
+FSDP2 ends every unit whose inputs need no gradient. In a chain of units that is the root and
+the first units whose inputs are frozen embeddings: the last of the backward, nothing to
+overlap.
+
 NOTE [Partial forwards of a list unit]
 A unit of several modules (``fully_shard([norm, head])``) is gathered when the first of them
 starts forward and finished (freed, as asked) when every one has run, as in FSDP2. Two patterns
@@ -291,15 +302,18 @@ class FSDPState:
             self.schedule.post_backward(self.unit)
 
     def _expected_events(self) -> int:
+        """How many events end this backward; -1 (never reached) when only the end of backward
+        may end it (NOTE [Post-backward events], frozen parameters)."""
         nodes: list[Node] = []
         for p in self.unit.trainable:
             assert p.unsharded is not None
             nodes.append(torch.autograd.graph.get_gradient_edge(p.unsharded).node)
-        for ref in self._input_nodes:
-            node = ref()
-            if node is not None:
-                nodes.append(node)
-        return sum(1 for n in nodes if torch._C._will_engine_execute_node(n))
+        inputs = [n for n in (ref() for ref in self._input_nodes) if n is not None]
+        will = torch._C._will_engine_execute_node
+        from_inputs = sum(1 for n in inputs if will(n))
+        if not from_inputs and len(self.unit.trainable) < len(self.unit.params):
+            return -1
+        return from_inputs + sum(1 for n in nodes if will(n))
 
 
 def _engine_only() -> contextlib.AbstractContextManager[Any]:
