@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -143,10 +143,8 @@ def load_toml_text(text: str, tmp_path: Path) -> dict:
     return load_toml(str(path))
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("torchao") is not None, reason="torchao is installed here"
-)
-def test_float8_without_torchao_names_the_fix() -> None:
+def test_float8_without_torchao_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed (it is, in dev)
     with pytest.raises(ConfigError, match=r"pip install torchao .*fullshard\[float8\]"):
         validate(TrainConfig(float8=True), 2)
 

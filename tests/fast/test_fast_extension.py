@@ -4,7 +4,7 @@ with FSDP2's all-gather hooks is gathered through them (one all-gather per unit)
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from typing import Any
 
 import pytest
@@ -146,13 +146,14 @@ def test_meta_init_then_to_empty_keeps_the_subclass(fake_pg: tuple[int, int]) ->
     assert not torch.equal(model[0].weight._local_tensor._data, before)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("torchao") is not None, reason="torchao is installed here"
-)
-def test_float8_option_without_torchao_fails_at_wrap_time(fake_pg: tuple[int, int]) -> None:
+def test_float8_option_without_torchao_fails_at_wrap_time(
+    fake_pg: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from toy import Block, ToyLM
 
     from fullshard.app.models.wrap import shard_model
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed (it is, in dev)
 
     with pytest.raises(FullshardError, match=r"rank 1: .*pip install torchao"):
         shard_model(ToyLM(), "full_shard", [Block], float8=True)

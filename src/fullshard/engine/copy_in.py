@@ -11,8 +11,10 @@ inner tensor; an ``as_subclass`` subclass has no ``__tensor_flatten__`` at all. 
 the hooks be attached to the sharded parameter's local tensor after ``fully_shard`` (and after
 ``to_empty``, which makes new local tensors), so a subclass without hooks at ``fully_shard``
 may still get them. Such a parameter keeps this rank's rows as a tensor of its own, cut from
-the full tensor through the subclass's dispatch (``narrow``, then a copy: a ``TwoTensor``'s
-shard is a ``TwoTensor`` of both inner tensors' rows). That tensor is:
+the full tensor through the subclass's dispatch with the ops FSDP2 shards it with and no
+others (``torch.chunk``, ``new_zeros``, ``copy_``: NOTE [Chunks as FSDP2 cuts them] in
+``shard/layout.py``; a ``TwoTensor``'s shard is a ``TwoTensor`` of both inner tensors' rows,
+torchao's ``NF4Tensor``'s an ``NF4Tensor`` of its blocks' bytes and scales). That tensor is:
 
 - the sharded DTensor's local tensor, the object the hooks are looked up on at every gather,
   so hooks attached to ``param._local_tensor`` later are found; ``to_empty`` / ``.to()`` make
@@ -108,8 +110,14 @@ class CopyInGroup(ExtensionGroup):
         device = fulls[0].device if fulls and fulls[0].is_meta else self.shard_device
         with torch.no_grad():
             for i, full in enumerate(fulls):
-                rows = chunk_of(full.detach(), world, rank, 0)
-                self._install(i, rows.to(device, copy=True))  # its own memory, not the full's
+                full = full.detach()
+                # NOTE [Chunks as FSDP2 cuts them]: chunk, new_zeros, copy_ (FSDP2's own ops)
+                rows = chunk_of(full, world, rank, 0)
+                shard = full.new_zeros(rows.shape)  # its own memory, not the full's
+                shard.copy_(rows)
+                if shard.device != device:  # CPU offload of a full tensor on the GPU
+                    shard = shard.to(device)
+                self._install(i, shard)
         self._empty_flat(device)
         self.write_static_tag(UNREGISTERED)
 

@@ -280,7 +280,9 @@ class ExtensionGroup(ShardGroup):
         local = p.local
         if not hasattr(local, PRE) or not hasattr(local, POST):
             return None
-        if local.device != self.mesh.device:  # CPU offload: the hook runs where it gathers
+        if local.device != self.mesh.device or self.pin_memory:
+            # CPU offload: the hook runs where it gathers; pinned shards are host memory even
+            # where the device is the CPU too (the CUDA emulation): an asynchronous copy
             local = local.to(self.mesh.device, non_blocking=True)
         hook = getattr(local, PRE)
         fn = getattr(hook, "__func__", hook)

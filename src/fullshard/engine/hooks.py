@@ -14,6 +14,17 @@ first event of a backward we ask the engine which of those nodes it will execute
 unit's post-backward at the earliest correct moment, also for unused parameters, frozen
 parameters, activation checkpointing and ``backward(inputs=...)``.
 
+A frozen parameter has no event of its own: the nodes that read it are counted only through
+where their gradients go, (b) or a trainable parameter of the unit upstream. When no input of
+the unit needs a gradient, they may go elsewhere: QLoRA's root holds a frozen base head whose
+backward (the gradient of the last block's output) runs after the head's adapters have
+accumulated, and freeing the root there freed the weight that node still reads (issue 41: a
+plain weight's backward raised "storage of size 0", NF4's crashed). So a unit with frozen
+parameters and no input event in this backward is ended by NOTE [End of backward] instead, as
+FSDP2 ends every unit whose inputs need no gradient. In a chain of units that is the root and
+the first units whose inputs are frozen embeddings: the last of the backward, nothing to
+overlap.
+
 NOTE [Backwards restricted to inputs]
 ``torch.autograd.grad(out, inputs)`` and ``out.backward(inputs=...)`` run only the part of the
 graph that leads to ``inputs``: pipelining's first step computes each stage's input gradients
@@ -342,8 +353,13 @@ class FSDPState:
         return [n for n in (ref() for ref in self._input_nodes) if n is not None]
 
     def _expected_events(self) -> int:
-        nodes = self._param_nodes() + self._live_input_nodes()
-        return sum(1 for n in nodes if torch._C._will_engine_execute_node(n))
+        """How many events end this backward; -1 (never reached) when only the end of backward
+        may end it (NOTE [Post-backward events], frozen parameters)."""
+        will = torch._C._will_engine_execute_node
+        from_inputs = sum(1 for n in self._live_input_nodes() if will(n))
+        if not from_inputs and len(self.unit.trainable) < len(self.unit.params):
+            return -1
+        return from_inputs + sum(1 for n in self._param_nodes() if will(n))
 
     def _backward_accumulates(self) -> bool:
         """NOTE [Backwards restricted to inputs]: whether this backward can give the unit's

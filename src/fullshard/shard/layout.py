@@ -78,14 +78,24 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 def chunk_of(full: torch.Tensor, world: int, rank: int, dim: int = 0) -> torch.Tensor:
     """Rank ``rank``'s ``Shard(dim)`` chunk of ``full`` (a view, possibly empty; strided when
-    ``dim > 0``)."""
+    ``dim > 0``).
+
+    NOTE [Chunks as FSDP2 cuts them]
+    Dim 0 is cut with ``torch.chunk`` (``aten.split``), the op FSDP2 shards a parameter with,
+    never by slicing: a tensor subclass that works under FSDP2 implements exactly what FSDP2
+    asks of it, and torchao's ``NF4Tensor`` implements ``split`` but refuses a ``slice`` that
+    starts past row 0. A rank past the last chunk (fewer rows than ranks) gets an empty tensor
+    from ``new_zeros``, as FSDP2's ``new_empty``; for a plain tensor the chunk is the same view
+    slicing gives. ``engine/copy_in.py`` makes a subclass's shard of its own from it with the
+    rest of FSDP2's ops (``new_zeros``, ``copy_``)."""
     if dim:
         check_even(full.shape, dim, world)
         c = full.shape[dim] // world
         return full.narrow(dim, rank * c, c)
-    chunk = chunk_rows(full.shape[0], world)
-    start = min(rank * chunk, full.shape[0])
-    return full[start : start + local_rows(full.shape[0], world, rank)]
+    chunks = torch.chunk(full, world, dim=0)
+    if rank < len(chunks):
+        return chunks[rank]
+    return full.new_zeros((0, *full.shape[1:]))
 
 
 @dataclass(frozen=True)

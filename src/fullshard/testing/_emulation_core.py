@@ -177,8 +177,9 @@ class Emulation:
     def mark(self, t: torch.Tensor, kind: str) -> _Storage | None:
         """Make ``t``'s storage ``kind``; a change starts it afresh (no accesses yet): marked a
         device storage, it counts as allocated now, on the current stream."""
+        new = self.info(t, create=False) is None  # made now (a paused op's output)
         found = self.info(t, create=True)
-        if found is not None and found.kind != kind:
+        if found is not None and (found.kind != kind or new):
             if kind == DEVICE:
                 self.check_reuse(self.current.tid, f"a new {_describe(t)}")
             found.kind, found.write, found.reads = kind, None, {}
@@ -459,6 +460,14 @@ class DispatchMode(TorchDispatchMode):
         if emu.paused or func.namespace in _SKIP_NAMESPACES or func is aten.record_stream.default:
             return func(*args, **kwargs)
         emu.raise_pending()
+        if func is aten.is_pinned.default:  # a subclass's inner tensor (FunctionMode: the rest)
+            return emu.kind(args[0]) == PINNED
+        if func in (aten._pin_memory.default, aten.pin_memory.default):
+            t = args[0]
+            emu.access(str(func), emu.current.tid if emu.kind(t) == DEVICE else HOST, [t], [])
+            out = t.clone()  # a host copy, marked pinned as FunctionMode's pin_memory
+            emu.mark(out, PINNED)
+            return out
         contracts.check(emu, func, args, kwargs)  # NOTE [Kernel contracts]
         schema = func._schema
         factory = bool(_FACTORY.match(schema.name.split("::")[-1]))
@@ -539,6 +548,8 @@ class FunctionMode(TorchFunctionMode):
                 return func(*args, **kwargs)
             finally:
                 emu.sync_kind = None
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return self._subclass(func, types, name, t, args, kwargs)
         if name == "is_pinned":
             return kind == PINNED
         if name == "record_stream":
@@ -579,6 +590,31 @@ class FunctionMode(TorchFunctionMode):
                     emu.host_sync("copy_to_device", emu.clocks[emu.current.tid])
                 return out
         return func(*args, **kwargs)
+
+    def _subclass(
+        self, func: Any, types: Any, name: str, t: torch.Tensor, args: Any, kwargs: Any
+    ) -> Any:
+        """A tensor subclass (torchao's ``NF4Tensor``, CPU offload's shards): it pins through its
+        own dispatch, whose inner tensors come back as plain ops (``DispatchMode``); a device
+        move of one with inner tensors in host memory moves each inner tensor as a plain tensor
+        (its own ``to`` would run them outside this mode, unseen; one on the device already
+        stays), then rebuilds it."""
+        if name != "to" or not hasattr(t, "__tensor_flatten__"):
+            return func(*args, **kwargs)
+        device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+        names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        inner = {n: getattr(t, n) for n in names}
+        host = any(
+            self.emu.kind(x) == PINNED or (self.emu.kind(x) == HOST_MEMORY and self.emu.all_device)
+            for x in inner.values()
+        )
+        if dtype is not None or device is None or not _is_cpu(device) or not host:
+            return func(*args, **kwargs)
+        moved = {
+            n: self.__torch_function__(func, types, (x, *args[1:]), kwargs)
+            for n, x in inner.items()
+        }
+        return type(t).__tensor_unflatten__(inner | moved, ctx, t.shape, t.stride())  # type: ignore[attr-defined]
 
 
 _FROM_DATA = (torch.tensor, torch.as_tensor)
