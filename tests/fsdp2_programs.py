@@ -349,7 +349,7 @@ def reshard_int_program(rank: int, world: int, impl: str) -> dict:
 
 def mixed_precision_program(rank: int, world: int, impl: str) -> dict:
     """MixedPrecisionPolicy as FSDP2: bf16 compute, reduce_dtype None (= bf16), output_dtype
-    float32, and unsynchronised micro-batches. Compared between the two imports, not exact."""
+    float32, and unsynchronised micro-batches. Compared between the two imports, bit for bit."""
     ref, model = _setup()
     model.float()
     policy = api_of(impl).MixedPrecisionPolicy

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from test_app_cli import converted, train_on_ranks
 
 from fullshard.app.cli import main
@@ -316,25 +315,30 @@ def test_the_cuda_path_recovers_with_no_ordering_error_and_no_host_sync_in_a_qui
 
 @pytest.mark.e2e
 def test_without_deterministic_a_lost_rank_is_recovered_too(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    tmp_path_factory: pytest.TempPathFactory,
-    reference_sha: str,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--elastic alone: the global sampler and micro-batches, plain sums (no fixed order)."""
+    """--elastic alone: the global sampler and micro-batches, plain sums (no fixed order).
+
+    The reference is the same run uninterrupted, not the fixed-order one: plain sums add the
+    micro-batches' gradients in another order than the fixed tree, and AdamW turns that
+    rounding into differences no tolerance bounds (a gradient near zero can change the sign of
+    its update). At the same world size the plain sums are the same sums: each rank adds its
+    own micro-batches in order and the reduce-scatter adds two ranks' (one addition, the same
+    bits in either order). The replacement takes the lost rank's slot, so the recovered run
+    replays step 3 on 2 ranks: the same bits as the uninterrupted run, on any CPU."""
     plain = [a for a in COMMON if a != "--deterministic"]
-    run = ["--runs-dir", str(tmp_path), "--name", "plain"]
-    assert _elastic(run, monkeypatch, "kill:rank=1:step=4", nproc=2, common=plain) == 0
+    for name, fault in (("plain", "kill:rank=1:step=4"), ("uninterrupted", "")):
+        run = ["--runs-dir", str(tmp_path), "--name", name]
+        assert _elastic(run, monkeypatch, fault, nproc=2, common=plain) == 0
     summary = json.loads((tmp_path / "plain" / "summary.json").read_text())
-    assert [(c["step"], c["ranks_lost"]) for c in summary["membership"]] == [(3, [1])]
-    got = converted(
-        tmp_path / "plain" / "checkpoints" / "step_00000008", tmp_path / "plain.safetensors"
-    )
-    # the same gradients as the fixed-order run, summed in another order: close, not equal
-    want = load_file(tmp_path_factory.getbasetemp() / "one" / "one.safetensors")
-    assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert [(c["step"], c["ranks_lost"], c["world_size"]) for c in summary["membership"]] == [
+        (3, [1], 2)
+    ]
+    shas = [
+        _sha(tmp_path / name / "checkpoints" / "step_00000008", tmp_path / f"{name}.safetensors")
+        for name in ("plain", "uninterrupted")
+    ]
+    assert shas[0] == shas[1]
 
 
 @pytest.mark.e2e

@@ -228,15 +228,19 @@ def _mixed(rank: int, world: int, rows: int) -> dict:
     out.square().sum().backward()
     for x in xs:
         (ref(x).square().sum() / world).backward()
-    diffs = [
-        float((p.grad.full_tensor().double() - q.grad.double()).abs().max() / q.grad.abs().max())
+    # The same bits: each rank's gradients come from the same kernels on the same rows as the
+    # reference's (its loss / 2 scales them by exactly 1/2). The sharded sum of two float32
+    # gradients in float64 is exact (or off only far below float32's last bit), halved
+    # exactly, then rounded to float32 once: the reference's float32 sum of the two halves.
+    same_grads = [
+        torch.equal(p.grad.full_tensor(), q.grad)
         for p, q in zip(model.parameters(), ref.parameters(), strict=True)
     ]
-    return {"groups": len(unit.groups), "forward": same_forward, "grad_rel": max(diffs)}
+    return {"groups": len(unit.groups), "forward": same_forward, "grads": same_grads}
 
 
 @pytest.mark.parametrize("rows", [8, 9])  # the float32 group's bytes aligned, and not
 def test_a_unit_of_two_dtypes_gathers_both_exactly_in_one_collective(rows: int) -> None:
     for r in run_ranks(_mixed, 2, rows):
         assert r["groups"] == 2 and r["forward"], r
-        assert r["grad_rel"] <= 1e-6, r
+        assert r["grads"] == [True, True], r

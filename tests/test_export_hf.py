@@ -27,7 +27,14 @@ def _export(rank: int, world: int, out: str) -> dict:
     probe = torch.arange(12).reshape(1, 12) % 256
     with torch.no_grad():
         logits = model(input_ids=probe).logits
-    return {"path": path, "full": full if rank == 0 else {}, "logits": logits}
+    same = None
+    if rank == 0:  # the model loaded back, in the same process: the same kernels and threads
+        import transformers
+
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+        with torch.no_grad():
+            same = torch.equal(loaded(input_ids=probe).logits, logits)
+    return {"path": path, "full": full if rank == 0 else {}, "same_logits": same}
 
 
 def test_sharded_hf_model_exports_and_loads_with_from_pretrained(tmp_path: str) -> None:
@@ -41,7 +48,7 @@ def test_sharded_hf_model_exports_and_loads_with_from_pretrained(tmp_path: str) 
     sd = loaded.state_dict()
     for name, value in res[0]["full"].items():
         assert torch.equal(sd[name], value), name
-    probe = torch.arange(12).reshape(1, 12) % 256
-    with torch.no_grad():
-        logits = loaded(input_ids=probe).logits
-    assert torch.allclose(logits, res[0]["logits"], atol=1e-5)
+    # and computes what the trained sharded model computed, to the bit: the same weights
+    # through the same kernels, on the same thread count (in rank 0's process; one computed
+    # here, on this process's threads, might block a matrix product differently)
+    assert res[0]["same_logits"] is True
