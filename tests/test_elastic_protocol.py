@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -42,9 +42,28 @@ def _client(master: dist.TCPStore) -> JobStore:
     return JobStore(dist.TCPStore("127.0.0.1", master.port, is_master=False))
 
 
-def _settle(master: dist.TCPStore, member: int, out: dict[int, Any]) -> threading.Thread:
+class _BeatingBetweenLooks(JobStore):
+    """A client whose reads of the heartbeats find ``beating``'s moved since the last read: a
+    member whose heartbeat goes on, as seen by a decider however slowly its threads run (a
+    thread beating on a clock lost that race on a loaded machine: DEAD_S is shortened here)."""
+
+    def __init__(self, store: dist.Store, beating: int) -> None:
+        super().__init__(store)
+        self.beating = beating
+
+    def beats(self, members: Iterable[int]) -> dict[int, int]:
+        self.beat(self.beating)
+        return super().beats(members)
+
+
+def _settle(
+    master: dist.TCPStore, member: int, out: dict[int, Any], beating: int | None = None
+) -> threading.Thread:
     def run() -> None:
-        s = Settle(_client(master), member, 1, OLD, 30.0, lambda w: w >= 1, lambda: None)
+        jobs = _client(master)
+        if beating is not None:
+            jobs = _BeatingBetweenLooks(jobs.store, beating)
+        s = Settle(jobs, member, 1, OLD, 30.0, lambda w: w >= 1, lambda: None)
         held = {"own": {}, "copy": {}, "layouts": {}}
         try:
             out[member] = s.run({"held": held, "error": "e", "failed_at": None}, "e")
@@ -56,28 +75,11 @@ def _settle(master: dist.TCPStore, member: int, out: dict[int, Any]) -> threadin
     return t
 
 
-def _beating(master: dist.TCPStore, member: int, stop: threading.Event) -> threading.Thread:
-    """A member whose heartbeat goes on (and its step stays at 5): hung, not dead."""
-
-    def run() -> None:
-        jobs = _client(master)
-        jobs.set_progress(member, 5)
-        while not stop.is_set():
-            jobs.beat(member)
-            time.sleep(0.02)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
 def test_a_hung_member_is_fenced_and_may_never_come_back(store: dist.TCPStore) -> None:
-    stop = threading.Event()
-    _beating(store, 3, stop)
+    JobStore(store).set_progress(3, 5)  # its step stays at 5, its heartbeat goes on: hung
     out: dict[int, Any] = {}
-    for t in [_settle(store, m, out) for m in (0, 1, 2)]:
-        t.join(20)
-    stop.set()
+    for t in [_settle(store, m, out, beating=3) for m in (0, 1, 2)]:
+        t.join(60)
     records = [out[m] for m in (0, 1, 2)]
     assert all(r == records[0] for r in records), records  # one decision, read by all
     record = records[0]

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -599,11 +600,15 @@ class FunctionMode(TorchFunctionMode):
         move of one with inner tensors in host memory moves each inner tensor as a plain tensor
         (its own ``to`` would run them outside this mode, unseen; one on the device already
         stays), then rebuilds it."""
-        if name != "to" or not hasattr(t, "__tensor_flatten__"):
+        # a DTensor moves its local tensor through its own dispatch, which this mode sees as a
+        # plain op (and its flattened names include the mesh, not a tensor)
+        if name != "to" or isinstance(t, DTensor) or not hasattr(t, "__tensor_flatten__"):
             return func(*args, **kwargs)
         device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
         names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
         inner = {n: getattr(t, n) for n in names}
+        if not all(isinstance(x, torch.Tensor) for x in inner.values()):
+            return func(*args, **kwargs)
         host = any(
             self.emu.kind(x) == PINNED or (self.emu.kind(x) == HOST_MEMORY and self.emu.all_device)
             for x in inner.values()
