@@ -1,10 +1,14 @@
-"""``fullshard plan --check``: run the planned model and print predicted vs measured peaks.
+"""``fullshard plan --check``: run the planned model and print predicted vs measured peaks and
+step time.
 
-Each rank builds the model, shards it with the planned strategy, trains ``--check-steps`` steps
-(fp32 AdamW, random tokens, the planned batch and sequence) with
-:class:`fullshard.observe.memory.MemoryTracker` attached, and rank 0 prints, per phase and
-category, the planner's prediction next to the measured peak of live tensor storage (the worst
-rank), plus each rank's peak resident-set growth for reference.
+Each rank builds the model, shards it with the planned strategy and activation checkpointing,
+trains ``--check-steps`` steps (fp32 AdamW, random tokens, the planned batch and sequence) with
+:class:`fullshard.observe.memory.MemoryTracker` attached, then ``--check-steps`` more with it
+detached, timed; rank 0 prints, per phase and category, the planner's prediction next to the
+measured peak of live tensor storage (the worst rank), each rank's peak resident-set growth for
+reference, and the predicted step time next to the measured one (the slowest rank's median).
+The step time is predicted on ``--gpu``: on a CPU, a file ``fullshard plan --calibrate`` wrote
+for this machine (a GPU preset describes another machine, and is not compared).
 
 The tracker sees what the engine and the optimizer hold; the planner's ``other`` (foreach
 optimizer temporaries) and the loss's own saved tensors are outside it, so they are not compared.
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -26,6 +32,7 @@ from fullshard.comm import control
 from fullshard.observe.memory import MemoryTracker
 from fullshard.observe.rss import rss_bytes
 from fullshard.plan import PlanConfig
+from fullshard.plan.hardware import PRESETS, load_hardware
 from fullshard.policies import MEMORY_CATEGORIES as CATEGORIES
 from fullshard.policies import STEP_PHASES as PHASES
 
@@ -74,7 +81,13 @@ def check_target(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def check_config(args: argparse.Namespace, backend: str | None = None) -> PlanConfig:
-    """The plan the check compares with: fp32, the planned strategy, batch and sequence."""
+    """The plan the check compares with: fp32, the planned strategy, checkpointing, batch and
+    sequence; for the step time, the ``--gpu`` description unless it is a GPU preset while the
+    check runs on the CPU."""
+    device, _ = resolve_backend(args.check_device, "auto", flag="--check-device")
+    hardware = None
+    if args.gpu not in PRESETS or device == "cuda":
+        hardware = load_hardware(args.gpu, devices_per_node=args.devices_per_node)
     return PlanConfig(
         strategy=args.strategy,
         hybrid_group=args.hybrid_group,
@@ -83,6 +96,8 @@ def check_config(args: argparse.Namespace, backend: str | None = None) -> PlanCo
         backend=backend or args.backend,
         batch=args.batch,
         seq=args.seq or 128,
+        activation_checkpointing=args.activation_checkpointing,
+        hardware=hardware,
     )
 
 
@@ -104,20 +119,33 @@ def _check(
     rss0 = _rss_mib()
     model = build_model(args.model, vocab, seed=0, device=device, lazy_weights=True)
     group = config.shard_group(world)
-    shard_model(model, args.strategy, unit_types_of(model), shard_size=group)
+    shard_model(model, args.strategy, unit_types_of(model), shard_size=group,
+                activation_checkpointing=config.checkpointing == "full")  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     tracker: MemoryTracker | None = None
-    for step in range(args.check_steps + 1):
+    seconds = []
+    for step in range(2 * args.check_steps + 1):
         x = torch.randint(vocab, (config.batch, config.seq + 1), generator=gen).to(device)
+        t0 = time.perf_counter()
         lm_loss(model, x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step > args.check_steps:  # timed without the tracker's samples
+            seconds.append(time.perf_counter() - t0)
         if step == 0:  # the root is set up on the first forward: track from the next step
             tracker = MemoryTracker().attach(model, opt)
+        if step == args.check_steps:
+            assert tracker is not None
+            tracker.detach()
     assert tracker is not None
-    tracker.detach()
-    mine = {"peaks": tracker.peaks, "rss_growth_mib": _rss_mib() - rss0}
+    mine = {
+        "peaks": tracker.peaks,
+        "rss_growth_mib": _rss_mib() - rss0,
+        "step_s": statistics.median(seconds),
+    }
     everyone = control.all_gather_objects(mine)
     predicted = {p: plan.phases[p].categories() for p in PHASES}
     for p in PHASES:
@@ -126,20 +154,28 @@ def _check(
         p: {c: max(r["peaks"][p][c] for r in everyone) for c in (*CATEGORIES, "total")}
         for p in PHASES
     }
+    timing = plan.step
     return {
         "model": args.model,
         "world": world,
         "strategy": args.strategy,
+        "activation_checkpointing": config.checkpointing,
         "predicted": predicted,
         "measured": measured,
         "rss_growth_mib": [r["rss_growth_mib"] for r in everyone],
+        "hardware": config.hardware.name if config.hardware else None,
+        "predicted_step_s": timing.step_s if timing else None,
+        "predicted_step_parts": {**timing.parts, **timing.exposed} if timing else None,
+        "measured_step_s": max(r["step_s"] for r in everyone),
+        "measured_step_s_per_rank": [r["step_s"] for r in everyone],
     }
 
 
 def format_check(res: dict[str, Any]) -> str:
     """Predicted vs measured, per phase and category, with the relative error of each total."""
     lines = [
-        f"fullshard plan --check: {res['model']} on {res['world']} ranks, {res['strategy']} "
+        f"fullshard plan --check: {res['model']} on {res['world']} ranks, {res['strategy']}, "
+        f"activation checkpointing {res['activation_checkpointing']} "
         "(MiB per rank; measured = peak live tensor storage of the worst rank)",
         f"{'phase':<10} {'category':<17} {'predicted':>10} {'measured':>10} {'error':>8}",
     ]
@@ -156,6 +192,20 @@ def format_check(res: dict[str, Any]) -> str:
         f"({100 * (peak_p - peak_m) / peak_m:+.1f}%); resident-set growth per rank: "
         + ", ".join(f"{v:.0f} MiB" for v in res["rss_growth_mib"])
     )
+    measured = res["measured_step_s"]
+    if res["predicted_step_s"] is None:
+        lines.append(
+            f"step time: measured {measured:.3f} s (the slowest rank's median); not predicted: "
+            "give --gpu FILE from `fullshard plan --calibrate` on this machine"
+        )
+    else:
+        pred = res["predicted_step_s"]
+        lines.append(
+            f"step time on {res['hardware']}: predicted {pred:.3f} s, measured {measured:.3f} s "
+            f"({100 * (pred - measured) / measured:+.1f}%; ranks "
+            + ", ".join(f"{v:.3f}" for v in res["measured_step_s_per_rank"])
+            + " s)"
+        )
     return "\n".join(lines)
 
 
