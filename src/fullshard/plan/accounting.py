@@ -22,12 +22,26 @@ Steady state (step >= 2, optimizer state exists), ``zero_grad(set_to_none=True)`
 holds no gradients. Forward: all activations, the root unit gathered, one non-root unit
 gathered (the one computing; all of them under SHARD_GRAD_OP) while the next one's all-gather
 is in flight as one output buffer (the engine allocates a prefetched unit's gathered storage
-only when it is waited for). Backward is walked unit by unit in reverse: activations of
-the units not yet visited, sharded gradients of those already reduced, the unit's gathered
+only when it is waited for); at its end the loss's forward peak (NOTE [The loss's transient]).
+Backward starts with the loss's backward peak, every activation still held, then is walked unit
+by unit in reverse: activations of the units not yet visited (a checkpointed unit's recomputed
+tensors while it runs), sharded gradients of those already reduced, the unit's gathered
 parameters and unsharded gradients, the root's (gathered through backward, gradients reduced at
 the end), one gather in flight (prefetch) and the previous unit's reduce-scatter in flight
 (packed full gradient + its 1/N output). Optimizer step: shards, gradients, state and the
-temporaries of torch's foreach implementation.
+temporaries of torch's foreach implementation. Under pipeline parallel the walk is one stage's,
+with the activations of every microbatch in flight, all its parameters gathered and its
+unsharded gradients accumulated in the reduce dtype (NOTE [Pipeline stages]); under context
+parallel a layer's gathered k and v are communication buffers.
+
+NOTE [Reserved memory]
+What a CUDA run reports (``torch.cuda.max_memory_reserved``, torchtitan's "memory") is the
+caching allocator's segments, not live tensors: freed blocks stay cached per stream and size,
+and large transients (the loss's) need fresh segments. The planner predicts the live peak
+(``Plan.peak_bytes``) and the reserved peak as the live peak times the hardware's allocator
+factor (``Efficiency.allocator``, set on a published run: reserved over live); on a CPU they are
+the same. The verdict compares the reserved peak with the device's memory less what a process
+holds outside the allocator (CUDA context, NCCL buffers: ``Hardware.overhead_bytes``).
 """
 
 from __future__ import annotations
@@ -235,7 +249,9 @@ class PhaseMemory:
 
     Each category field is that category's own peak within the phase; ``total`` is the peak of
     their sum over time (never more than the sum of the fields, less when peaks do not coincide).
-    ``other`` holds what belongs to no category: the optimizer step's foreach temporaries.
+    ``other`` holds what belongs to no category: the optimizer step's foreach temporaries and
+    the loss's transient beyond what it saves; ``tracked`` the peak of the sum without it (what
+    the memory tracker, which follows categorized storages, can see).
     """
 
     phase: str
@@ -247,6 +263,7 @@ class PhaseMemory:
     comm_buffers: float = 0.0
     other: float = 0.0
     total: float = 0.0
+    tracked: float = 0.0
 
     def categories(self) -> dict[str, float]:
         """The six named categories as a dict (``MEMORY_CATEGORIES``)."""
@@ -398,17 +415,18 @@ class _Walk:
 
     def __init__(self, static: float) -> None:
         self.static = static
-        self.peak = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
-        self.total = 0.0
+        self.peak = dict.fromkeys((*MEMORY_CATEGORIES, "other"), 0.0)
+        self.total = self.tracked = 0.0
 
     def visit(self, **now: float) -> None:
-        for c in MEMORY_CATEGORIES:
+        for c in self.peak:
             self.peak[c] = max(self.peak[c], now.get(c, 0.0))
         self.total = max(self.total, self.static + sum(now.values()))
+        self.tracked = max(self.tracked, self.static + sum(now.values()) - now.get("other", 0.0))
 
     def phase(self, name: str, shards: float, states: float) -> PhaseMemory:
         peaks = {**self.peak, "sharded_params": shards, "optimizer_state": states}
-        return PhaseMemory(name, **peaks, total=self.total)
+        return PhaseMemory(name, **peaks, total=self.total, tracked=self.tracked)
 
 
 class _Bytes:
@@ -523,6 +541,7 @@ def build_plan(
         optimizer_state=states,
         other=temps,
         total=shards + all_grads + states + temps,
+        tracked=shards + all_grads + states,
     )
 
     # The published window: two blocks of parameters (+ one block of gradients in backward),
@@ -584,7 +603,8 @@ def _forward_phase(
         done += b.act(u)
     walk.visit(
         gathered_window=root_gathered + (0.0 if b.raf else sum(b.gathered(x) for x in blocks)),
-        activations=done + sum(u.tail_bytes + u.loss_forward_extra for u in root),
+        activations=done + sum(u.tail_bytes for u in root),
+        other=sum(u.loss_forward_extra for u in root),
     )
     return walk.phase("forward", shards, states), walk.peak["gathered_window"]
 
@@ -614,7 +634,8 @@ def _backward_phase(
     visit(
         gradients=accum,
         gathered_window=window_f,
-        activations=acts + sum(u.loss_backward_extra for u in root),
+        activations=acts,
+        other=sum(u.loss_backward_extra for u in root),
     )
     # The root's head runs backward; the last block is being gathered (prefetch, or still
     # gathered under SHARD_GRAD_OP).

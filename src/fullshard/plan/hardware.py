@@ -156,11 +156,12 @@ _T = 1e12
 # (https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet): BF16
 # 1,979 and FP8 3,958 TFLOPS *with sparsity* ("one-half lower without"), TF32 989 with sparsity,
 # FP32 67 TFLOPS, 3.35 TB/s, NVLink 900 GB/s (both directions: 450 each way). A DGX/HGX H100
-# node has one 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s each way).
+# node has one 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s each way). Memory is what CUDA reports
+# as the device's total (an "80GB" part: about 81,500 MiB), not the datasheet's round figure.
 PRESETS: dict[str, Hardware] = {
     "h100-80gb": Hardware(
         name="h100-80gb",
-        memory_bytes=80e9,
+        memory_bytes=79.6 * GIB,
         matmul_flops={
             "bf16": 989.4 * _T,
             "fp16": 989.4 * _T,
@@ -195,7 +196,7 @@ PRESETS: dict[str, Hardware] = {
     # NVLink 900 GB/s; 400 Gb/s per GPU as in the H100 nodes (ConnectX-7).
     "h200": Hardware(
         name="h200",
-        memory_bytes=141e9,
+        memory_bytes=140.4 * GIB,
         matmul_flops={
             "bf16": 989.4 * _T,
             "fp16": 989.4 * _T,
@@ -220,7 +221,7 @@ PRESETS: dict[str, Hardware] = {
     # calibration finds.
     "a100-80gb": Hardware(
         name="a100-80gb",
-        memory_bytes=80e9,
+        memory_bytes=79.3 * GIB,
         matmul_flops={"bf16": 312 * _T, "fp16": 312 * _T, "fp32": 156 * _T},
         memory_bandwidth=2.039e12,
         intra_node_bandwidth=300 * _GBPS,

@@ -10,9 +10,9 @@ on); the step-time model and the memory walk multiply by the tokens a device hol
 NOTE [Saved bytes per policy]
 What one block keeps for backward, per token (``act`` = bytes of the compute dtype):
 - ``none``: every tensor autograd saves in eager PyTorch, counted op by op in
-  :meth:`TransformerShape.saved_bytes` (the norms keep their fp32 upcast, rotary embeddings the
-  complex fp32 view, SDPA its q, the repeated k and v, its output and the fp32 log-sum-exp, the
-  MLP its three activations);
+  :meth:`TransformerShape.saved_bytes` (the norms keep their fp32 upcast and rstd, SDPA its
+  q, the repeated k and v, its output and the fp32 log-sum-exp, the MLP its four
+  activations; rotary embeddings multiply by constants and keep nothing);
 - ``full``: the block's input only (``torch.utils.checkpoint``), recomputed in backward;
 - ``selective``: torchtitan's per-op policy: the outputs of every other matmul of the block
   (the 1st, 3rd, 5th, 7th: q, v, w1, w2 in a Llama block) and of attention are kept, the rest
@@ -172,12 +172,13 @@ class TransformerShape:
             return block_input + outs + scattered + act * q / tp + lse
         gathered = act * h  # what the linears save: the norm's output, whole under SP
         if self.gated:
-            norms = 2 * (FP32 * h + act * h) / tp  # fp32 upcast + normalized, per RMSNorm
-            rotary = FP32 * (q + kv) / tp  # the complex (fp32) views the rotation multiplies
+            # per RMSNorm: the fp32 upcast, its rstd, the normalized input of the weight's
+            # product (the rotation multiplies by constants: it keeps nothing)
+            norms = 2 * (FP32 * h + FP32 + act * h) / tp
             # SDPA: rotated q, k and v repeated to every head, output, log-sum-exp
             attention = act * 4 * q / tp + lse
             mlp = 4 * act * f / tp  # w1 out (silu's input), silu out, w3 out, their product
-            return norms + 2 * gathered + rotary + attention + mlp
+            return norms + 2 * gathered + attention + mlp
         norms = 2 * (act * h + 2 * FP32) / tp  # LayerNorm keeps its input, mean and rstd
         attention = act * (2 * q + 2 * kv) / tp + lse  # SDPA: q, k, v and its output
         mlp = 2 * act * f / tp  # GELU's input and output
@@ -214,12 +215,14 @@ class TransformerShape:
         dtype bytes (upcast to fp32 when smaller), ``parallel``: loss parallel, ``compiled``:
         a torch.compile'd loss (upcast, log-softmax and its backward fused: it keeps the logits
         and a log-sum-exp per token, and backward writes their gradient in one pass)."""
-        logits = act if act < FP32 else 0  # the 16-bit logits next to their fp32 copy
+        # the logits themselves (the head's output, freed once the loss has read them) and,
+        # when 16-bit, their fp32 copy
+        inputs = act + (FP32 if act < FP32 else 0)
         if compiled:
             return LossBytes(act, act, 2 * act)
-        if parallel:
-            return LossBytes(FP32, logits + 3 * FP32 + FP32 * (act == FP32), 4 * FP32)
-        return LossBytes(FP32, logits + 2 * FP32, 3 * FP32)
+        if parallel:  # x - max and its exp beside them; backward: onehot, exp(x), their sum
+            return LossBytes(FP32, inputs + 2 * FP32, 4 * FP32)
+        return LossBytes(FP32, inputs + FP32, 3 * FP32)
 
     @staticmethod
     def loss_traffic(act: int, *, compiled: bool = False) -> float:

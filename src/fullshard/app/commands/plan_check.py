@@ -11,7 +11,8 @@ The step time is predicted on ``--gpu``: on a CPU, a file ``fullshard plan --cal
 for this machine (a GPU preset describes another machine, and is not compared).
 
 The tracker sees what the engine and the optimizer hold; the planner's ``other`` (foreach
-optimizer temporaries) and the loss's own saved tensors are outside it, so they are not compared.
+optimizer temporaries, the loss's transient beyond what it saves) is outside it, so the totals
+compared are the planner's ``tracked`` peaks.
 """
 
 from __future__ import annotations
@@ -148,8 +149,8 @@ def _check(
     }
     everyone = control.all_gather_objects(mine)
     predicted = {p: plan.phases[p].categories() for p in PHASES}
-    for p in PHASES:
-        predicted[p]["total"] = plan.phases[p].total - plan.phases[p].other
+    for p in PHASES:  # without the loss's and the optimizer's temporaries: the tracker's view
+        predicted[p]["total"] = plan.phases[p].tracked
     measured = {
         p: {c: max(r["peaks"][p][c] for r in everyone) for c in (*CATEGORIES, "total")}
         for p in PHASES
