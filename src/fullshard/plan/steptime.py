@@ -34,7 +34,7 @@ from fullshard.plan.accounting import DTYPE_BYTES, MASTER_BYTES, PlanConfig, Uni
 from fullshard.plan.hardware import Hardware
 from fullshard.plan.transformer import TransformerShape
 
-__all__ = ["StepTime", "collective_time", "step_time"]
+__all__ = ["StepTime", "collective_time", "send_time", "step_time"]
 
 # HBM bytes per parameter of one optimizer step: torch's foreach AdamW reads and writes the
 # fp32 parameter, gradient and both moments over about ten kernels (lerp, mul, addcmul,
@@ -203,6 +203,80 @@ def _block_seconds(
     return device, exposed, host
 
 
+def send_time(nbytes: float, hw: Hardware, *, across_nodes: bool) -> float:
+    """Seconds of one point-to-point send (a pipeline stage's activations)."""
+    if across_nodes:
+        return (
+            nbytes / (hw.inter_node_bandwidth * hw.efficiency.collective) + hw.inter_node_latency_s
+        )
+    return nbytes / (hw.intra_node_bandwidth * hw.efficiency.collective) + hw.latency_s
+
+
+class _Fsdp:
+    """FSDP's collectives of one unit, in seconds: its all-gather (float8 weights at one byte
+    under --float8) and its reduce-scatter, over the shard group."""
+
+    def __init__(self, cfg: PlanConfig, world_size: int, hw: Hardware) -> None:
+        self.cfg, self.hw = cfg, hw
+        self.n = cfg.shard_group(cfg.dp_world(world_size))  # FSDP shards over dp x cp
+        self.replicas = max(1, cfg.dp_world(world_size) // self.n)
+        self.act = DTYPE_BYTES[cfg.precision]
+        self.rb = DTYPE_BYTES[cfg.reduce_dtype or "fp32"]
+
+    def gather(self, u: UnitCost) -> float:
+        fp8 = u.fp8_numel if self.cfg.float8 else 0.0
+        nbytes = (self.n * u.shard_numel - fp8) * self.act + fp8
+        return collective_time(nbytes, self.n, self.hw, stride=self.cfg.tp)
+
+    def scatter(self, u: UnitCost) -> float:
+        nbytes = self.n * u.grad_shard_numel * self.rb
+        return collective_time(nbytes, self.n, self.hw, stride=self.cfg.tp)
+
+    def replicas_all_reduce(self, shard_numel: float) -> float:
+        """HSDP: each shard's gradient all-reduced across the replicas, after backward."""
+        if self.replicas == 1:
+            return 0.0
+        nbytes = shard_numel * self.rb * self.replicas
+        stride = self.n * self.cfg.tp
+        return 2 * collective_time(nbytes, self.replicas, self.hw, stride=stride)
+
+
+def _blocks_seconds(
+    blocks: list[UnitCost],
+    cfg: PlanConfig,
+    hw: Hardware,
+    fsdp: _Fsdp,
+    work: tuple[dict[str, dict[str, float]], dict[str, float], dict[str, float]],
+) -> tuple[float, dict[str, float]]:
+    """One microbatch through ``blocks``: each unit's forward and backward cost the longest of
+    their device time, their host time and the FSDP collectives under them (their sum on a
+    CPU). Returns the seconds and the exposed host and FSDP seconds."""
+    device, tp_cp, host = work
+    micro = (cfg.microbatches or cfg.pp) if cfg.pp > 1 else 1
+    f_dev = sum(device["forward"].values()) + tp_cp["forward"]
+    b_dev = sum(device["backward"].values()) + sum(device["recompute"].values())
+    b_dev += tp_cp["backward"] + tp_cp["recompute"]
+    f_host, b_host = host["forward"], host["backward"] + host["recompute"]
+    ag = [fsdp.gather(u) for u in blocks] + [0.0]
+    rs = [fsdp.scatter(u) for u in blocks] + [0.0]
+    raf = cfg.reshard_after_forward
+    exposed = {"fsdp": 0.0, "host": 0.0}
+    total = 0.0
+    for i in range(len(blocks)):
+        # the next unit's gather under this forward; the previous one's gather (again, when
+        # resharded) and the next one's reduce-scatter under this backward
+        f_comm, b_comm = ag[i + 1], (ag[i - 1] if raf and i > 0 else 0.0) + rs[i + 1]
+        if cfg.pp > 1:  # a stage gathers once and reduces once per step, not per microbatch
+            f_comm, b_comm = f_comm / micro, b_comm / micro
+        for dev, hst, comm in ((f_dev, f_host, f_comm), (b_dev, b_host, b_comm)):
+            busy = max(dev, hst) if hw.kind == "cuda" else dev + hst
+            unit = max(busy, comm) if hw.kind == "cuda" else busy + comm
+            exposed["host"] += busy - dev
+            exposed["fsdp"] += unit - busy
+            total += unit
+    return total, exposed
+
+
 def step_time(
     shape: TransformerShape,
     units: list[UnitCost],
@@ -219,87 +293,44 @@ def step_time(
     act = DTYPE_BYTES[cfg.precision]
     if cfg.float8 and "fp8" not in hw.matmul_flops:
         raise ValueError(f"--float8: {hw.name} has no float8 matmuls")
-    n = cfg.shard_group(cfg.dp_world(world_size))  # FSDP shards over dp x cp
-    replicas = max(1, cfg.dp_world(world_size) // n)
     micro = (cfg.microbatches or cfg.pp) if cfg.pp > 1 else 1
     mb = cfg.batch * cfg.seq / cfg.cp / micro  # tokens of one microbatch on one device
     blocks = [u for u in units if not u.is_root]
     root = [u for u in units if u.is_root]
-    rb = DTYPE_BYTES[cfg.reduce_dtype or "fp32"]
-    device, tp_cp, host = _block_seconds(shape, cfg, hw, mb)
-    overlap = hw.kind == "cuda"
-
-    def ag_bytes(u: UnitCost) -> float:
-        fp8 = u.fp8_numel if cfg.float8 else 0.0
-        return (n * u.shard_numel - fp8) * act + fp8 if n > 1 else 0.0
-
-    def rs_bytes(u: UnitCost) -> float:
-        return n * u.grad_shard_numel * rb if n > 1 else 0.0
-
-    raf = cfg.reshard_after_forward
-    ag = [collective_time(ag_bytes(u), n, hw, stride=cfg.tp) for u in blocks]
-    rs = [collective_time(rs_bytes(u), n, hw, stride=cfg.tp) for u in blocks]
-    f_dev = sum(device["forward"].values()) + tp_cp["forward"]
-    b_dev = sum(device["backward"].values()) + sum(device["recompute"].values())
-    b_dev += tp_cp["backward"] + tp_cp["recompute"]
-    f_host, b_host = host["forward"], host["backward"] + host["recompute"]
-    exposed = {"fsdp": 0.0, "host": 0.0}
-    stage_mb = 0.0  # one microbatch through this stage's blocks
-    for i in range(len(blocks)):
-        f_comm = ag[i + 1] if i + 1 < len(blocks) else 0.0
-        b_comm = (ag[i - 1] if raf and i > 0 else 0.0) + (rs[i + 1] if i + 1 < len(blocks) else 0.0)
-        if cfg.pp > 1:  # a stage gathers once and reduces once per step, not per microbatch
-            f_comm, b_comm = f_comm / micro, b_comm / micro
-        for dev, hst, comm in ((f_dev, f_host, f_comm), (b_dev, b_host, b_comm)):
-            if overlap:
-                busy = max(dev, hst)
-                unit = max(busy, comm)
-                exposed["host"] += busy - dev
-            else:  # a CPU: nothing hides
-                busy, unit = dev + hst, dev + hst + comm
-                exposed["host"] += hst
-            exposed["fsdp"] += unit - busy
-            stage_mb += unit
+    fsdp = _Fsdp(cfg, world_size, hw)
+    work = _block_seconds(shape, cfg, hw, mb)
+    stage_mb, exposed = _blocks_seconds(blocks, cfg, hw, fsdp, work)
     # the root: embedding lookups, and on the last stage the head (16-bit) and the loss
     bw = hw.memory_bandwidth * hw.efficiency.memory
     head_s = loss_s = 0.0
     if root and head:
         head_s = 3 * mb * shape.head_flops(cfg.tp) / hw.rate(cfg.precision)
-        loss_s = (
-            mb
-            * shape.vocab
-            / cfg.tp
-            * TransformerShape.loss_traffic(act, compiled=cfg.compile_loss)
-            / bw
-        )
+        per_logit = TransformerShape.loss_traffic(act, compiled=cfg.compile_loss)
+        loss_s = mb * shape.vocab / cfg.tp * per_logit / bw
     embed_s = 3 * mb * shape.hidden * act / bw if root else 0.0
     stage_mb += head_s + loss_s + embed_s
     # exposed once a step: the first gathers (the root's, the first block's), the last
     # reduce-scatters, the replicas' all-reduce of the shard (HSDP), the optimizer step
-    edge = sum(collective_time(ag_bytes(u), n, hw, stride=cfg.tp)
-               + collective_time(rs_bytes(u), n, hw, stride=cfg.tp) for u in root)  # fmt: skip
-    edge += (ag[0] + rs[0]) if blocks else 0.0
+    edge = sum(fsdp.gather(u) + fsdp.scatter(u) for u in [*root, *blocks[:1]])
     shard_numel = sum(u.shard_numel for u in units)
-    if replicas > 1:
-        edge += 2 * collective_time(shard_numel * rb * replicas, replicas, hw, stride=n * cfg.tp)
+    edge += fsdp.replicas_all_reduce(shard_numel)
     exposed["fsdp"] += edge
     opt_s = shard_numel * OPTIMIZER_TRAFFIC.get(cfg.optimizer, 84.0) / bw
-    bubble_s = 0.0
     step = stage_mb * micro + edge + opt_s
+    bubble_s = 0.0
     if cfg.pp > 1:  # (m + (p - 1) / v) stage-microbatch times, and the activations' sends
         bubble_s = (cfg.pp - 1) / cfg.stages_per_rank * stage_mb
         sends = 2 * (micro + cfg.pp - 1)  # activations forward, their gradients backward
-        p2p = sends * collective_time(
-            2 * mb * shape.hidden * act / cfg.tp, 2, hw, stride=world_size // cfg.pp
-        )
-        exposed["pp_p2p"] = p2p
-        step += bubble_s + p2p
+        across = world_size // cfg.pp >= hw.devices_per_node  # stages on different nodes
+        nbytes = mb * shape.hidden * act / cfg.tp
+        exposed["pp_p2p"] = sends * send_time(nbytes, hw, across_nodes=across)
+        step += bubble_s + exposed["pp_p2p"]
+    device, tp_cp, _ = work
     exposed["tp_cp"] = sum(tp_cp.values()) * len(blocks) * micro
     compute = {k: sum(device[p][k] for p in device) * len(blocks) * micro
                for k in ("matmul", "attention", "memory")}  # fmt: skip
-    compute["matmul"] += (head_s * micro) if head else 0.0
+    compute["matmul"] += head_s * micro
     compute["memory"] += (loss_s + embed_s) * micro
-    comm_s = exposed["fsdp"] + exposed["tp_cp"] + exposed.get("pp_p2p", 0.0)
     tps = cfg.batch * cfg.seq / (cfg.tp * cfg.pp * cfg.cp) / step
     flops_per_token = 6 * shape.matmul_params() + 3 * shape.layers * shape.attention_flops(cfg.seq)
     peak = hw.peak("fp32" if cfg.precision == "fp32" else "bf16")
@@ -308,7 +339,7 @@ def step_time(
         tokens_per_s_per_device=tps,
         mfu=tps * flops_per_token / peak,
         compute_s=sum(compute.values()),
-        exposed_comm_s=comm_s,
+        exposed_comm_s=exposed["fsdp"] + exposed["tp_cp"] + exposed.get("pp_p2p", 0.0),
         host_s=exposed["host"],
         bubble_s=bubble_s,
         optimizer_s=opt_s,
