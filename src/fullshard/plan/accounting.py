@@ -666,8 +666,11 @@ def _backward_phase(
         visit(
             gradients=grads,
             gathered_window=window,
-            activations=remaining + b.recompute(u),
+            activations=remaining,
             comm_buffers=comm + 2 * cp_bytes,
+            # a checkpointed unit's recomputed tensors: real, but held by the checkpoint's own
+            # saved-tensor hooks, which the memory tracker's cannot see
+            other=b.recompute(u),
         )
         remaining -= b.act(u)
         done_grads += b.grad_shard(u)

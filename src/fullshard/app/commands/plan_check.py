@@ -3,10 +3,12 @@ step time.
 
 Each rank builds the model, shards it with the planned strategy and activation checkpointing,
 trains ``--check-steps`` steps (fp32 AdamW, random tokens, the planned batch and sequence) with
-:class:`fullshard.observe.memory.MemoryTracker` attached, then ``--check-steps`` more with it
-detached, timed; rank 0 prints, per phase and category, the planner's prediction next to the
-measured peak of live tensor storage (the worst rank), each rank's peak resident-set growth for
-reference, and the predicted step time next to the measured one (the slowest rank's median).
+:class:`fullshard.observe.memory.MemoryTracker` attached and the profiler recording every
+allocation, then ``--check-steps`` more with both off, timed; rank 0 prints, per phase and
+category, the planner's prediction next to the tracker's peak (the worst rank), the planned peak
+next to the peak of every live storage (the profiler: transients the tracker cannot see
+included), each rank's peak resident-set growth for reference, and the predicted step time next
+to the measured one (the slowest rank's median).
 The step time is predicted on ``--gpu``: on a CPU, a file ``fullshard plan --calibrate`` wrote
 for this machine (a GPU preset describes another machine, and is not compared).
 
@@ -30,7 +32,7 @@ from fullshard.app.launch.local import rank_session, resolve_backend
 from fullshard.app.models.gpt import build_model, lm_loss, unit_types_of
 from fullshard.app.models.wrap import shard_model
 from fullshard.comm import control
-from fullshard.observe.memory import MemoryTracker
+from fullshard.observe.memory import MemoryTracker, profiler_live_peak
 from fullshard.observe.rss import rss_bytes
 from fullshard.plan import PlanConfig
 from fullshard.plan.hardware import PRESETS, load_hardware
@@ -118,32 +120,37 @@ def _check(
     vocab = model_vocab(args.model, args.vocab)
     plan = plan_builtin(args.model, world, config, vocab_size=vocab, with_recommendation=False)
     rss0 = _rss_mib()
-    model = build_model(args.model, vocab, seed=0, device=device, lazy_weights=True)
-    group = config.shard_group(world)
-    shard_model(model, args.strategy, unit_types_of(model), shard_size=group,
-                activation_checkpointing=config.checkpointing == "full")  # fmt: skip
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(rank)
-    tracker: MemoryTracker | None = None
-    seconds = []
-    for step in range(2 * args.check_steps + 1):
-        x = torch.randint(vocab, (config.batch, config.seq + 1), generator=gen).to(device)
-        t0 = time.perf_counter()
-        lm_loss(model, x).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if step > args.check_steps:  # timed without the tracker's samples
-            seconds.append(time.perf_counter() - t0)
-        if step == 0:  # the root is set up on the first forward: track from the next step
-            tracker = MemoryTracker().attach(model, opt)
-        if step == args.check_steps:
-            assert tracker is not None
-            tracker.detach()
-    assert tracker is not None
+    # the profiler counts every storage from before the model exists (profiler_live_peak)
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
+        model = build_model(args.model, vocab, seed=0, device=device, lazy_weights=True)
+        group = config.shard_group(world)
+        shard_model(model, args.strategy, unit_types_of(model), shard_size=group,
+                    activation_checkpointing=config.checkpointing == "full")  # fmt: skip
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(rank)
+
+        def step() -> float:
+            x = torch.randint(vocab, (config.batch, config.seq + 1), generator=gen).to(device)
+            t0 = time.perf_counter()
+            lm_loss(model, x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - t0
+
+        step()  # the root is set up on the first forward: track from the next step
+        tracker = MemoryTracker().attach(model, opt)
+        with torch.profiler.record_function("tracked steps"):
+            for _ in range(args.check_steps):
+                step()
+        tracker.detach()
+    # timed without the tracker's samples and the profiler's events
+    seconds = [step() for _ in range(args.check_steps)]
     mine = {
         "peaks": tracker.peaks,
+        "live_peak": profiler_live_peak(prof, "tracked steps"),
         "rss_growth_mib": _rss_mib() - rss0,
         "step_s": statistics.median(seconds),
     }
@@ -163,6 +170,8 @@ def _check(
         "activation_checkpointing": config.checkpointing,
         "predicted": predicted,
         "measured": measured,
+        "predicted_peak": plan.peak_bytes,
+        "measured_live_peak": max((r["live_peak"] or 0) for r in everyone),
         "rss_growth_mib": [r["rss_growth_mib"] for r in everyone],
         "hardware": config.hardware.name if config.hardware else None,
         "predicted_step_s": timing.step_s if timing else None,
@@ -192,6 +201,11 @@ def format_check(res: dict[str, Any]) -> str:
         f"peak per rank: predicted {peak_p:.2f} MiB, measured {peak_m:.2f} MiB "
         f"({100 * (peak_p - peak_m) / peak_m:+.1f}%); resident-set growth per rank: "
         + ", ".join(f"{v:.0f} MiB" for v in res["rss_growth_mib"])
+    )
+    pred, live = res["predicted_peak"] / MIB, res["measured_live_peak"] / MIB
+    lines.append(
+        f"peak of every live storage (the profiler): predicted {pred:.2f} MiB, measured "
+        f"{live:.2f} MiB ({100 * (pred - live) / live:+.1f}%)"
     )
     measured = res["measured_step_s"]
     if res["predicted_step_s"] is None:
