@@ -20,7 +20,7 @@ __all__ = ["describe", "recommend"]
 _WHY = {
     "no_shard": "replicated state fits, and plain data parallelism moves the least (one "
     "all-reduce, 2 model units per step)",
-    "hybrid_shard_zero2": "gathers and reduce-scatters stay inside groups of {g} (one node); "
+    "hybrid_shard_zero2": "gathers and reduce-scatters stay inside groups of {g}; "
     "across groups only each shard is all-reduced (2/{g} units), and parameters stay gathered "
     "from forward to backward (no second all-gather)",
     "shard_grad_op": "2 model units per step (no backward all-gather): parameters stay gathered "

@@ -229,16 +229,15 @@ class _Fsdp:
         return collective_time(nbytes, self.n, self.hw, stride=self.cfg.tp)
 
     def scatter(self, u: UnitCost) -> float:
+        """The unit's reduce-scatter and, under HSDP, its shard's all-reduce across the
+        replicas right after it (a ring all-reduce: a reduce-scatter and an all-gather)."""
         nbytes = self.n * u.grad_shard_numel * self.rb
-        return collective_time(nbytes, self.n, self.hw, stride=self.cfg.tp)
-
-    def replicas_all_reduce(self, shard_numel: float) -> float:
-        """HSDP: each shard's gradient all-reduced across the replicas, after backward."""
-        if self.replicas == 1:
-            return 0.0
-        nbytes = shard_numel * self.rb * self.replicas
-        stride = self.n * self.cfg.tp
-        return 2 * collective_time(nbytes, self.replicas, self.hw, stride=stride)
+        out = collective_time(nbytes, self.n, self.hw, stride=self.cfg.tp)
+        if self.replicas > 1:
+            shard = u.grad_shard_numel * self.rb
+            stride = self.n * self.cfg.tp
+            out += 2 * collective_time(shard, self.replicas, self.hw, stride=stride)
+        return out
 
 
 def _blocks_seconds(
@@ -310,10 +309,9 @@ def step_time(
     embed_s = 3 * mb * shape.hidden * act / bw if root else 0.0
     stage_mb += head_s + loss_s + embed_s
     # exposed once a step: the first gathers (the root's, the first block's), the last
-    # reduce-scatters, the replicas' all-reduce of the shard (HSDP), the optimizer step
+    # reduce-scatters (and their replicas' all-reduces), the optimizer step
     edge = sum(fsdp.gather(u) + fsdp.scatter(u) for u in [*root, *blocks[:1]])
     shard_numel = sum(u.shard_numel for u in units)
-    edge += fsdp.replicas_all_reduce(shard_numel)
     exposed["fsdp"] += edge
     opt_s = shard_numel * OPTIMIZER_TRAFFIC.get(cfg.optimizer, 84.0) / bw
     step = stage_mb * micro + edge + opt_s

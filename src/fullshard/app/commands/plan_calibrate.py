@@ -19,70 +19,21 @@ import os
 import socket
 import statistics
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fullshard.app.commands.plan_measure import measure_device, timed
 from fullshard.app.launch.local import rank_session, resolve_backend
 from fullshard.comm import control
 from fullshard.comm.collectives import all_gather, reduce_scatter
 from fullshard.plan.hardware import Efficiency, Hardware
 
-__all__ = ["calibrate_rank", "measure_device", "run_calibrate"]
+__all__ = ["calibrate_rank", "run_calibrate"]
 
-# GEMM shapes (tokens x in -> out) spanning a small model's linears: the median rate is kept
-GEMMS = ((1024, 256, 1024), (1024, 512, 512), (1024, 1024, 256), (1024, 320, 1280))
 COLLECTIVE_BYTES = (1 << 20, 16 << 20)  # a small and a large message: latency and bandwidth
-
-
-def _timed(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> list[float]:
-    fn()  # warm up: first-call allocations, kernel selection
-    sync()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def measure_device(device: torch.device, repeats: int = 7) -> dict[str, float]:
-    """This device's achieved fp32 matmul rate (FLOP/s, median over :data:`GEMMS`), memory
-    bandwidth (bytes/s of an out-of-place add over 64 MB tensors) and seconds per eager op
-    (a small op recorded by autograd, forward and backward)."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    rates = []
-    for m, k, n in GEMMS:
-        a = torch.randn(m, k, device=device)
-        b = torch.randn(k, n, device=device)
-        secs = statistics.median(_timed(lambda a=a, b=b: torch.mm(a, b), repeats, sync))  # type: ignore[misc]
-        rates.append(2.0 * m * k * n / secs)
-    x = torch.randn(16 << 20, device=device)  # 64 MB of fp32
-    y, z = torch.randn_like(x), torch.empty_like(x)
-    add = statistics.median(_timed(lambda: torch.add(x, y, out=z), repeats, sync))
-    small = torch.randn(8, device=device, requires_grad=True)
-
-    def ops() -> None:  # 20 forward ops and their backward
-        h = small
-        for _ in range(20):
-            h = h * 1.0001
-        h.sum().backward()
-
-    per_op = statistics.median(_timed(ops, repeats, sync)) / 60  # forward + 2x backward kernels
-    return {
-        "matmul": statistics.median(rates),
-        "matmul_spread": (max(rates) - min(rates)) / statistics.median(rates),
-        "memory_bandwidth": 3 * x.numel() * x.element_size() / add,
-        "launch_s": per_op,
-    }
 
 
 def _collectives(device: torch.device, world: int, repeats: int = 5) -> dict[str, float]:
@@ -109,7 +60,7 @@ def _collectives(device: torch.device, world: int, repeats: int = 5) -> dict[str
 
         for name, fn in (("all_gather", gather), ("reduce_scatter", scatter)):
             control.barrier()
-            out[f"{name}_{nbytes}"] = statistics.median(_timed(fn, repeats, sync))
+            out[f"{name}_{nbytes}"] = statistics.median(timed(fn, repeats, sync))
     ring = (world - 1) / world
     big, small = COLLECTIVE_BYTES[1], COLLECTIVE_BYTES[0]
     secs_big = (out[f"all_gather_{big}"] + out[f"reduce_scatter_{big}"]) / 2

@@ -23,11 +23,13 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from fullshard.app.commands.plan import model_vocab, plan_builtin
+from fullshard.app.commands.plan_measure import measure_device
 from fullshard.app.launch.local import rank_session, resolve_backend
 from fullshard.app.models.gpt import build_model, lm_loss, unit_types_of
 from fullshard.app.models.wrap import shard_model
@@ -146,15 +148,20 @@ def _check(
             for _ in range(args.check_steps):
                 step()
         tracker.detach()
-    # timed without the tracker's samples and the profiler's events
+    # timed without the tracker's samples and the profiler's events; the device's rates measured
+    # around them too (a shared machine's rates drift: NOTE [Rates of the moment])
+    before = measure_device(device, repeats=3) if config.hardware else None
     seconds = [step() for _ in range(args.check_steps)]
+    after = measure_device(device, repeats=3) if config.hardware else None
     mine = {
         "peaks": tracker.peaks,
         "live_peak": profiler_live_peak(prof, "tracked steps"),
         "rss_growth_mib": _rss_mib() - rss0,
         "step_s": statistics.median(seconds),
+        "rates": [before, after],
     }
     everyone = control.all_gather_objects(mine)
+    now = _rates_of_the_moment(args.model, world, config, vocab, everyone)
     predicted = {p: plan.phases[p].categories() for p in PHASES}
     for p in PHASES:  # without the loss's and the optimizer's temporaries: the tracker's view
         predicted[p]["total"] = plan.phases[p].tracked
@@ -176,9 +183,35 @@ def _check(
         "hardware": config.hardware.name if config.hardware else None,
         "predicted_step_s": timing.step_s if timing else None,
         "predicted_step_parts": {**timing.parts, **timing.exposed} if timing else None,
+        "predicted_step_s_now": now,
         "measured_step_s": max(r["step_s"] for r in everyone),
         "measured_step_s_per_rank": [r["step_s"] for r in everyone],
     }
+
+
+def _rates_of_the_moment(
+    model: str, world: int, config: PlanConfig, vocab: int, everyone: list[dict[str, Any]]
+) -> float | None:
+    """NOTE [Rates of the moment]
+    On a shared machine the rates ``--calibrate`` measured may not be the rates of the check's
+    minutes (other processes come and go). Each rank therefore measures its matmul rate, memory
+    bandwidth and op cost again just before and after its timed steps, and the step is predicted
+    a second time on the description with those (the slowest rank's mean; the collectives as
+    calibrated): the difference between the two predictions is the machine's drift, the
+    difference between the second and the measured step the model's own error."""
+    if config.hardware is None or any(r["rates"][0] is None for r in everyone):
+        return None
+    rates = [{k: (a[k] + b[k]) / 2 for k in a} for a, b in (r["rates"] for r in everyone)]
+    matmul = min(r["matmul"] for r in rates)
+    hw = replace(
+        config.hardware,
+        matmul_flops=dict.fromkeys(config.hardware.matmul_flops, matmul),
+        memory_bandwidth=min(r["memory_bandwidth"] for r in rates),
+        efficiency=replace(config.hardware.efficiency, launch_s=max(r["launch_s"] for r in rates)),
+    )
+    plan = plan_builtin(model, world, replace(config, hardware=hw), vocab_size=vocab,
+                        with_recommendation=False)  # fmt: skip
+    return plan.step.step_s if plan.step else None
 
 
 def format_check(res: dict[str, Any]) -> str:
@@ -221,6 +254,12 @@ def format_check(res: dict[str, Any]) -> str:
             + ", ".join(f"{v:.3f}" for v in res["measured_step_s_per_rank"])
             + " s)"
         )
+        now = res.get("predicted_step_s_now")
+        if now:
+            lines.append(
+                f"  predicted with the rates measured around the timed steps: {now:.3f} s "
+                f"({100 * (now - measured) / measured:+.1f}%; NOTE [Rates of the moment])"
+            )
     return "\n".join(lines)
 
 
