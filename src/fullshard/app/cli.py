@@ -292,6 +292,10 @@ def _plan(args: argparse.Namespace) -> int:
     from fullshard.app.commands.plan import add_plan_arguments, run
     from fullshard.app.launch.local import forward_flags, launch_local, under_torchrun
 
+    if args.calibrate:  # measure this machine (fullshard.app.commands.plan_calibrate)
+        from fullshard.app.commands.plan_calibrate import run_calibrate
+
+        return run_calibrate(args)
     if args.check:
         from fullshard.app.commands.plan_check import (
             add_check_arguments,

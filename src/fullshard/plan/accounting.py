@@ -22,21 +22,41 @@ Steady state (step >= 2, optimizer state exists), ``zero_grad(set_to_none=True)`
 holds no gradients. Forward: all activations, the root unit gathered, one non-root unit
 gathered (the one computing; all of them under SHARD_GRAD_OP) while the next one's all-gather
 is in flight as one output buffer (the engine allocates a prefetched unit's gathered storage
-only when it is waited for). Backward is walked unit by unit in reverse: activations of
-the units not yet visited, sharded gradients of those already reduced, the unit's gathered
+only when it is waited for); at its end the loss's forward peak (NOTE [The loss's transient]).
+Backward starts with the loss's backward peak, every activation still held, then is walked unit
+by unit in reverse: activations of the units not yet visited (a checkpointed unit's recomputed
+tensors while it runs), sharded gradients of those already reduced, the unit's gathered
 parameters and unsharded gradients, the root's (gathered through backward, gradients reduced at
 the end), one gather in flight (prefetch) and the previous unit's reduce-scatter in flight
 (packed full gradient + its 1/N output). Optimizer step: shards, gradients, state and the
-temporaries of torch's foreach implementation.
+temporaries of torch's foreach implementation. Under pipeline parallel the walk is one stage's,
+with the activations of every microbatch in flight, all its parameters gathered and its
+unsharded gradients accumulated in the reduce dtype (NOTE [Pipeline stages]); under context
+parallel a layer's gathered k and v are communication buffers.
+
+NOTE [Reserved memory]
+What a CUDA run reports (``torch.cuda.max_memory_reserved``, torchtitan's "memory") is the
+caching allocator's segments, not live tensors: freed blocks stay cached per stream and size,
+and large transients (the loss's) need fresh segments. The planner predicts the live peak
+(``Plan.peak_bytes``) and the reserved peak as the live peak times the hardware's allocator
+factor (``Efficiency.allocator``, set on a published run: reserved over live); on a CPU they are
+the same. The verdict compares the reserved peak with the device's memory less what a process
+holds outside the allocator (CUDA context, NCCL buffers: ``Hardware.overhead_bytes``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from fullshard.engine.sharding import hybrid_shard_size
+from fullshard.plan.hardware import Hardware
+from fullshard.plan.transformer import POLICIES
 from fullshard.policies import MEMORY_CATEGORIES, STRATEGY_NAMES, FullshardError, ShardingStrategy
+
+if TYPE_CHECKING:
+    from fullshard.plan.steptime import StepTime
 
 __all__ = [
     "DTYPE_BYTES",
@@ -52,7 +72,6 @@ __all__ = [
     "GB",
     "fmt_bytes",
     "korthikanti_activation_bytes",
-    "plan_analytic",
 ]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -65,6 +84,9 @@ OPTIMIZERS: dict[str, tuple[int, int]] = {
     "sgd": (0, 0),
 }
 MASTER_BYTES = 4  # shards, master weights and optimizer states are fp32
+PP_SCHEDULES = ("1f1b", "interleaved")
+# torch.compile: nothing, the blocks only (torchtitan in 2024), or the blocks and the loss
+COMPILE_SCOPES = ("none", "blocks", "all")
 GB = 1e9
 
 
@@ -76,8 +98,17 @@ class PlanConfig:
     activations; fp32 shards as master weights). ``reduce_dtype``: gradient reduction dtype
     (default fp32, the engine's default). ``hybrid_group``: ranks per shard group for the
     hybrid strategies (default ``devices_per_node``). ``device_memory`` in bytes, of which
-    ``reserve`` (a fraction) is kept back for the CUDA context and allocator fragmentation.
-    ``optimizer_state_bytes`` overrides the optimizer's state bytes per parameter.
+    ``reserve`` (a fraction) is kept back for the CUDA context and allocator fragmentation;
+    with ``hardware`` the device's own memory, its allocator factor and its overhead decide
+    instead (unless ``device_memory`` is given). ``optimizer_state_bytes`` overrides the
+    optimizer's state bytes per parameter. ``activation_checkpointing``: ``none``, ``selective``
+    (torchtitan's per-op policy, NOTE [Saved bytes per policy]) or ``full`` (``True`` is full).
+    ``tp``, ``pp``, ``cp``: tensor (with sequence and loss parallel), pipeline and context
+    parallel degrees; the strategy shards over ``world / (tp * pp)`` ranks (context-parallel
+    ranks included, as torchtitan's ``dp_shard_cp``). ``pp_schedule``: ``1f1b`` or
+    ``interleaved`` (two stages per rank); ``microbatches``: default ``pp``. ``compile``:
+    ``blocks`` (torch.compile'd blocks) or ``all`` (blocks and loss; ``True``); ``float8``: float8 linears in the blocks with float8 all-gathers;
+    ``async_tp``: tensor parallel's collectives split under its matmuls.
     """
 
     strategy: str = "full_shard"
@@ -88,7 +119,7 @@ class PlanConfig:
     optimizer_state_bytes: float | None = None
     batch: int = 1
     seq: int = 2048
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = "none"
     offload: bool = False
     device_memory: float | None = None
     reserve: float = 0.1
@@ -96,12 +127,67 @@ class PlanConfig:
     # gloo's reduce-scatter is an all-to-all into a receive buffer plus a local sum (NOTE
     # [Reduce-scatter on gloo]): one more unit-sized buffer while it is in flight
     backend: str = "nccl"
-    # tensor parallel: devices per TP group; the strategy shards over world / tp devices. The
-    # units' sizes must then be TP-local (``fullshard.plan.model_units(..., local_shapes)``).
+    # tensor parallel: devices per TP group. The units' sizes must then be TP-local
+    # (``fullshard.plan.model_units(..., local_shapes)``).
     tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int | None = None
+    compile: bool | str = "none"
+    float8: bool = False
+    async_tp: bool = False
+    hardware: Hardware | None = None
+
+    def __post_init__(self) -> None:
+        # booleans as the older API took them: True is full checkpointing / blocks and loss
+        ac = self.activation_checkpointing
+        policy = ac if isinstance(ac, str) else ("full" if ac else "none")
+        if policy not in POLICIES:
+            raise ValueError(f"activation checkpointing {ac!r}: one of {', '.join(POLICIES)}")
+        object.__setattr__(self, "activation_checkpointing", policy)
+        scope = self.compile
+        compiled = scope if isinstance(scope, str) else ("all" if scope else "none")
+        if compiled not in COMPILE_SCOPES:
+            raise ValueError(f"compile {self.compile!r}: one of {', '.join(COMPILE_SCOPES)}")
+        object.__setattr__(self, "compile", compiled)
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pipeline schedule {self.pp_schedule!r}: one of {PP_SCHEDULES}")
+        if min(self.tp, self.pp, self.cp) < 1 or (self.microbatches or 1) < 1:
+            raise ValueError("--tp, --pp, --cp and the microbatches must be at least 1")
+
+    @property
+    def checkpointing(self) -> str:
+        """The activation checkpointing policy: ``none``, ``selective`` or ``full``."""
+        return str(self.activation_checkpointing)
+
+    @property
+    def compile_blocks(self) -> bool:
+        """The blocks run torch.compile'd (``--compile`` or ``--compile blocks``)."""
+        return self.compile != "none"
+
+    @property
+    def compile_loss(self) -> bool:
+        """The loss runs torch.compile'd too (``--compile``; torchtitan since 2025)."""
+        return self.compile == "all"
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.pp_schedule == "interleaved" else 1
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether blocks free their gathered parameters after forward (never under pipeline
+        parallel: each microbatch would gather them again, torchtitan keeps them)."""
+        return ShardingStrategy(self.strategy).reshard_after_forward and self.pp == 1
+
+    def dp_world(self, world_size: int) -> int:
+        """Ranks the strategy shards and replicates over: ``world / (tp * pp)``."""
+        return world_size // (self.tp * self.pp)
 
     def shard_group(self, world_size: int) -> int:
-        """Ranks one parameter is split over under this strategy."""
+        """Ranks one parameter is split over under this strategy (``world_size``: the
+        data-parallel ranks, :meth:`dp_world`)."""
         if self.strategy == "no_shard":
             return 1
         if self.strategy.startswith("hybrid"):
@@ -120,11 +206,14 @@ class UnitCost:
     ``shard_numel`` is one rank's flat shard including padding (``FlatLayout.shard_numel``);
     ``grad_shard_numel`` the reduce-scatter output per rank (trainable shards + one presence
     column per trainable parameter, NOTE [Which gradients exist]). ``act_bytes``: what autograd
-    saves during the unit's forward; ``input_bytes``: what activation checkpointing keeps instead;
+    saves during the unit's forward; ``input_bytes``: what full activation checkpointing keeps
+    instead; ``selective_bytes``: what selective checkpointing keeps (0: not planned).
     ``tail_bytes`` (the root): the part of ``act_bytes`` saved after the other units' forwards
     started (a language model's head and loss), which exists only at the end of forward;
     ``loss_bytes``: the part of that saved by the loss, which its own backward frees before any
-    unit's backward starts.
+    unit's backward starts; ``loss_forward_extra`` / ``loss_backward_extra``: what the loss
+    holds beyond that at its forward and backward peaks (NOTE [The loss's transient]).
+    ``fp8_numel``: elements of the unit's linear weights, gathered as float8 under --float8.
     """
 
     name: str
@@ -137,6 +226,10 @@ class UnitCost:
     is_root: bool = False
     tail_bytes: float = 0.0
     loss_bytes: float = 0.0
+    selective_bytes: float = 0.0
+    loss_forward_extra: float = 0.0
+    loss_backward_extra: float = 0.0
+    fp8_numel: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,7 +249,9 @@ class PhaseMemory:
 
     Each category field is that category's own peak within the phase; ``total`` is the peak of
     their sum over time (never more than the sum of the fields, less when peaks do not coincide).
-    ``other`` holds what belongs to no category: the optimizer step's foreach temporaries.
+    ``other`` holds what belongs to no category: the optimizer step's foreach temporaries and
+    the loss's transient beyond what it saves; ``tracked`` the peak of the sum without it (what
+    the memory tracker, which follows categorized storages, can see).
     """
 
     phase: str
@@ -168,6 +263,7 @@ class PhaseMemory:
     comm_buffers: float = 0.0
     other: float = 0.0
     total: float = 0.0
+    tracked: float = 0.0
 
     def categories(self) -> dict[str, float]:
         """The six named categories as a dict (``MEMORY_CATEGORIES``)."""
@@ -193,11 +289,12 @@ class Recommendation:
 
     strategy: str
     hybrid_group: int | None
-    activation_checkpointing: bool
+    activation_checkpointing: str
     offload: bool
     fits: bool
     peak_bytes: float
     reason: str
+    tokens_per_s_per_device: float | None = None
 
 
 @dataclass
@@ -221,21 +318,34 @@ class Plan:
     shape: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     recommendation: Recommendation | None = None
+    # the step-time model's prediction, when the model's shape and the hardware are known
+    step: StepTime | None = None
 
     @property
     def peak_bytes(self) -> float:
-        """The step's peak per device: the largest phase total."""
+        """The step's peak of live tensor bytes per device: the largest phase total."""
         return max(p.total for p in self.phases.values())
 
     @property
+    def peak_reserved_bytes(self) -> float:
+        """What the caching allocator holds at that peak (NOTE [Reserved memory])."""
+        hw = self.config.hardware
+        return self.peak_bytes * (hw.efficiency.allocator if hw else 1.0)
+
+    @property
     def usable_bytes(self) -> float | None:
-        mem = self.config.device_memory
-        return None if mem is None else mem * (1.0 - self.config.reserve)
+        """Device memory the allocator may fill: the device's, less the reserve fraction (or,
+        for known hardware, its context and communication buffers)."""
+        cfg, hw = self.config, self.config.hardware
+        if hw is not None and cfg.device_memory is None:
+            return hw.memory_bytes - hw.overhead_bytes
+        mem = cfg.device_memory
+        return None if mem is None else mem * (1.0 - cfg.reserve)
 
     @property
     def fits(self) -> bool | None:
         usable = self.usable_bytes
-        return None if usable is None else self.peak_bytes <= usable
+        return None if usable is None else self.peak_reserved_bytes <= usable
 
     @property
     def comm_units(self) -> float:
@@ -244,7 +354,17 @@ class Plan:
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict (bytes as numbers)."""
         out = asdict(self)
-        out.update(peak_bytes=self.peak_bytes, fits=self.fits, comm_units=self.comm_units)
+        step = self.step
+        out.update(
+            peak_bytes=self.peak_bytes,
+            peak_reserved_bytes=self.peak_reserved_bytes,
+            fits=self.fits,
+            comm_units=self.comm_units,
+            step_time_s=step.step_s if step else None,
+            tokens_per_s_per_device=step.tokens_per_s_per_device if step else None,
+            mfu=step.mfu if step else None,
+            step_shares=step.shares() if step else None,
+        )
         return out
 
 
@@ -295,17 +415,73 @@ class _Walk:
 
     def __init__(self, static: float) -> None:
         self.static = static
-        self.peak = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
-        self.total = 0.0
+        self.peak = dict.fromkeys((*MEMORY_CATEGORIES, "other"), 0.0)
+        self.total = self.tracked = 0.0
 
     def visit(self, **now: float) -> None:
-        for c in MEMORY_CATEGORIES:
+        for c in self.peak:
             self.peak[c] = max(self.peak[c], now.get(c, 0.0))
         self.total = max(self.total, self.static + sum(now.values()))
+        self.tracked = max(self.tracked, self.static + sum(now.values()) - now.get("other", 0.0))
 
     def phase(self, name: str, shards: float, states: float) -> PhaseMemory:
         peaks = {**self.peak, "sharded_params": shards, "optimizer_state": states}
-        return PhaseMemory(name, **peaks, total=self.total)
+        return PhaseMemory(name, **peaks, total=self.total, tracked=self.tracked)
+
+
+class _Bytes:
+    """What each unit costs in bytes under one configuration (NOTE [Step model]): its
+    gathered parameters, communication buffers, gradients, and the activations it keeps."""
+
+    def __init__(self, config: PlanConfig, n: int, inflight: float) -> None:
+        self.cfg = config
+        self.n = n
+        self.cb = DTYPE_BYTES[config.precision]  # gathered params, unsharded grads, activations
+        self.rb = DTYPE_BYTES[config.reduce_dtype or "fp32"]
+        mixed = self.cb != MASTER_BYTES
+        self.aliased = n == 1 and not mixed and not config.offload  # gathered = the shards
+        self.raf = config.reshard_after_forward
+        self.inflight = inflight  # microbatches whose activations a pipeline stage holds
+        self.policy = config.checkpointing
+
+    def gathered(self, u: UnitCost) -> float:
+        if self.aliased:
+            return 0.0
+        fp8 = u.fp8_numel if self.cfg.float8 else 0.0  # float8 weights gather 1 byte each
+        return (self.n * u.shard_numel - fp8) * self.cb + fp8
+
+    def ag_buffer(self, u: UnitCost | None) -> float:
+        return 0.0 if u is None or self.n == 1 else self.gathered(u)
+
+    def rs_buffers(self, u: UnitCost | None) -> float:
+        recv = self.n if self.cfg.backend == "gloo" else 0
+        return (
+            0.0 if u is None or self.n == 1 else (self.n + 1 + recv) * u.grad_shard_numel * self.rb
+        )
+
+    def grad_shard(self, u: UnitCost) -> float:
+        return 0.0 if self.cfg.offload else u.grad_shard_numel * MASTER_BYTES
+
+    def ugrad(self, u: UnitCost) -> float:
+        # under pipeline parallel FSDP2 accumulates unsharded gradients in the reduce dtype
+        # across microbatches and reduce-scatters them once, after the last
+        return u.trainable_numel * (self.rb if self.cfg.pp > 1 else self.cb)
+
+    def act(self, u: UnitCost) -> float:
+        """What ``u`` keeps for backward under the checkpointing policy (the root is never
+        checkpointed), for every microbatch a pipeline stage holds."""
+        if u.is_root:
+            return u.act_bytes
+        kept = {"none": u.act_bytes, "full": u.input_bytes,
+                "selective": u.selective_bytes or u.act_bytes}[self.policy]  # fmt: skip
+        return kept * self.inflight
+
+    def recompute(self, u: UnitCost) -> float:
+        """A checkpointed unit's tensors rebuilt for its backward, beyond what it kept."""
+        if u.is_root or self.policy == "none":
+            return 0.0
+        kept = self.act(u) / self.inflight - u.input_bytes
+        return max(0.0, u.act_bytes - kept)
 
 
 def build_plan(
@@ -317,11 +493,15 @@ def build_plan(
     model: str,
     shape: dict[str, int] | None = None,
     notes: list[str] | None = None,
+    inflight: float = 1,
+    cp_bytes: float = 0.0,
 ) -> Plan:
     """Walk one training step over ``units`` (root first) and predict memory and communication.
 
     See NOTE [Step model] for what is counted when. Bytes are per device (rank 0, which holds
-    the most real rows: padding lives on the last ranks).
+    the most real rows: padding lives on the last ranks). Under pipeline parallel ``units`` are
+    one stage's and ``inflight`` the microbatches whose activations it holds at once;
+    ``cp_bytes``: one layer's k and v gathered by context parallel.
     """
     if config.strategy not in STRATEGY_NAMES:
         names = ", ".join(STRATEGY_NAMES)
@@ -330,137 +510,30 @@ def build_plan(
         raise ValueError(
             f"unknown precision {config.precision!r} or optimizer {config.optimizer!r}"
         )
-    if config.tp < 1 or world_size % config.tp:
-        raise ValueError(f"--tp {config.tp} must divide the {world_size} devices")
-    dp_world = world_size // config.tp
+    model_parallel = config.tp * config.pp
+    if world_size % model_parallel or config.dp_world(world_size) % config.cp:
+        raise ValueError(
+            f"--tp {config.tp} x --pp {config.pp} x --cp {config.cp} must divide the "
+            f"{world_size} devices"
+        )
+    dp_world = config.dp_world(world_size)
     n = config.shard_group(dp_world)
     replicas = dp_world // n
-    cb = DTYPE_BYTES[config.precision]  # compute: gathered params, unsharded grads, activations
-    rb = DTYPE_BYTES[config.reduce_dtype or "fp32"]
+    b = _Bytes(config, n, inflight)
     n_states, n_temps = OPTIMIZERS[config.optimizer]
     state_b = (
         n_states * MASTER_BYTES
         if config.optimizer_state_bytes is None
         else config.optimizer_state_bytes
     )
-    mixed = cb != MASTER_BYTES
     psi = sum(u.numel for u in units)
-    root = [u for u in units if u.is_root]
-    blocks = [u for u in units if not u.is_root]
-    # Root stays gathered from forward through backward when other units exist (fully_shard's
-    # reshard_after_forward=None); blocks reshard after forward under FULL_SHARD / HYBRID_SHARD.
-    raf = ShardingStrategy(config.strategy).reshard_after_forward
-    aliased = n == 1 and not mixed and not config.offload  # gathered params view the shards
-    ckpt = config.activation_checkpointing
     host = config.offload
-
-    def gathered(u: UnitCost) -> float:
-        return 0.0 if aliased else n * u.shard_numel * cb
-
-    def ag_buffer(u: UnitCost) -> float:
-        return 0.0 if n == 1 else n * u.shard_numel * cb
-
-    def rs_buffers(u: UnitCost) -> float:
-        recv = n if config.backend == "gloo" else 0
-        return 0.0 if n == 1 else (n + 1 + recv) * u.grad_shard_numel * rb
-
-    def grad_shard(u: UnitCost) -> float:
-        return 0.0 if host else u.grad_shard_numel * MASTER_BYTES
-
-    def ugrad(u: UnitCost) -> float:
-        return u.trainable_numel * cb
-
-    def act(u: UnitCost) -> float:
-        return u.input_bytes if ckpt and not u.is_root else u.act_bytes
-
     shards = 0.0 if host else sum(u.shard_numel for u in units) * MASTER_BYTES
     trainable_shard = sum(u.shard_numel * (u.trainable_numel > 0) for u in units)
     states = 0.0 if host else trainable_shard * state_b
     temps = 0.0 if host else trainable_shard * n_temps * MASTER_BYTES
-    static = shards + states
-    root_gathered = sum(gathered(u) for u in root)
-    by_size = sorted(blocks, key=gathered, reverse=True)
-    acts = sum(act(u) for u in units)
-
-    # -- forward: walked unit by unit, like backward. The engine allocates a prefetched unit's
-    # gathered storage only when it is waited for: until then that unit is its all-gather buffer
-    # (comm_buffers), so the gathered window is the unit computing (and the root) while the next
-    # one is in flight. Activations grow as units finish; the root's head and the loss add theirs
-    # at the end, when no block is gathered any more (under FULL_SHARD).
-    fwalk = _Walk(static)
-    fvisit = fwalk.visit
-    done_acts = sum(act(u) - u.tail_bytes for u in root)
-    fvisit(
-        gathered_window=root_gathered,
-        activations=done_acts,
-        comm_buffers=ag_buffer(blocks[0]) if blocks else 0.0,
-    )
-    for i, u in enumerate(blocks):
-        held = [u] if raf else blocks[: i + 1]
-        # (a checkpointed unit keeps only its input; its activations are rebuilt in backward)
-        fvisit(
-            gathered_window=root_gathered + sum(gathered(b) for b in held),
-            activations=done_acts + act(u),
-            comm_buffers=ag_buffer(blocks[i + 1]) if i + 1 < len(blocks) else 0.0,
-        )
-        done_acts += act(u)
-    fvisit(
-        gathered_window=root_gathered + (0.0 if raf else sum(gathered(b) for b in blocks)),
-        activations=done_acts + sum(u.tail_bytes for u in root),
-    )
-    window_f = fwalk.peak["gathered_window"]
-    fwd = fwalk.phase("forward", shards, states)
-
-    # -- backward: root first (its head), then blocks in reverse; walk and take the max.
-    # Unsharded gradients count as "gradients" (as the memory tracker does) until reduced.
-    root_params = root_gathered
-    root_grads = sum(ugrad(u) for u in root)
-    bwalk = _Walk(static)
-    visit = bwalk.visit
-    last = blocks[-1] if blocks else None
-    # Start: the loss and the root's head run backward; every activation is still held and
-    # the last block is being gathered (prefetch, or still gathered under SHARD_GRAD_OP).
-    visit(
-        gradients=root_grads,
-        gathered_window=root_params + (gathered(last) if last else 0.0) if raf else window_f,
-        activations=acts - sum(u.loss_bytes for u in units),
-        comm_buffers=ag_buffer(last) if last and raf else 0.0,
-    )
-    remaining_acts = sum(act(u) for u in blocks)
-    done_grads = 0.0
-    prev: UnitCost | None = None
-    for i in range(len(blocks) - 1, -1, -1):
-        u = blocks[i]
-        nxt = blocks[i - 1] if i > 0 else None
-        if raf:
-            window = root_params + gathered(u)  # the next unit is still its buffer (comm)
-            comm = ag_buffer(nxt) if nxt else 0.0
-        else:
-            window = root_params + sum(gathered(b) for b in blocks[: i + 1])
-            comm = 0.0
-        comm += rs_buffers(prev) if prev else 0.0
-        # the previous unit's reduce-scatter is in flight: its shard is a comm buffer until
-        # this unit's post-backward waits for it (one in flight, MAX_REDUCES_IN_FLIGHT)
-        in_flight = grad_shard(prev) if prev else 0.0
-        visit(
-            gradients=done_grads - in_flight + root_grads + ugrad(u),
-            gathered_window=window,
-            activations=remaining_acts + (u.act_bytes if ckpt else 0.0),
-            comm_buffers=comm,
-        )
-        remaining_acts -= act(u)
-        done_grads += grad_shard(u)
-        prev = u
-    # The end: the root's reduce-scatter, every other gradient already reduced.
-    all_grads = done_grads + sum(grad_shard(u) for u in root)
-    visit(
-        gradients=done_grads + root_grads,
-        gathered_window=root_params,
-        comm_buffers=sum(rs_buffers(u) for u in root) + (rs_buffers(prev) if prev else 0.0),
-    )
-    visit(gradients=all_grads)
-    bwd = bwalk.phase("backward", shards, states)
-
+    fwd, window_f = _forward_phase(units, b, shards, states, cp_bytes)
+    bwd, all_grads = _backward_phase(units, b, shards, states, window_f, cp_bytes)
     step = PhaseMemory(
         "optimizer",
         sharded_params=shards,
@@ -468,13 +541,17 @@ def build_plan(
         optimizer_state=states,
         other=temps,
         total=shards + all_grads + states + temps,
+        tracked=shards + all_grads + states,
     )
 
     # The published window: two blocks of parameters (+ one block of gradients in backward),
     # counted whatever the strategy so that it can be compared with the shard.
-    two = sum(n * u.shard_numel * cb for u in by_size[:2])
-    window_bwd = two + max((ugrad(u) for u in blocks), default=0.0)
-    k = state_b + (MASTER_BYTES if mixed else 0)  # ZeRO's K: master copy + states
+    blocks = [u for u in units if not u.is_root]
+    by_size = sorted(blocks, key=lambda u: u.shard_numel, reverse=True)
+    two = sum(n * u.shard_numel * b.cb for u in by_size[:2])
+    window_bwd = two + max((b.ugrad(u) for u in blocks), default=0.0)
+    k = state_b + (MASTER_BYTES if b.cb != MASTER_BYTES else 0)  # ZeRO's K: master + states
+    shard_state = sum(u.shard_numel for u in units) * (2 * MASTER_BYTES + state_b)
     return Plan(
         mode=mode,
         model=model,
@@ -483,17 +560,130 @@ def build_plan(
         world_size=world_size,
         shard_group=n,
         config=config,
-        ladder=_ladder(psi, world_size, cb, k),
-        shard_bytes=sum(u.shard_numel for u in units) * (2 * MASTER_BYTES + state_b),
+        ladder=_ladder(psi, dp_world, b.cb, k),
+        shard_bytes=shard_state,
         window_forward=two,
         window_backward=window_bwd,
         phases={"forward": fwd, "backward": bwd, "optimizer": step},
-        comm=_communication(units, n, replicas, cb, rb, raf)
-        + _tp_communication(units, config.tp, cb),
-        host_bytes=sum(u.shard_numel for u in units) * (2 * MASTER_BYTES + state_b) if host else 0,
+        comm=_communication(units, n, replicas, b.cb, b.rb, b.raf)
+        + _tp_communication(units, config.tp, b.cb),
+        host_bytes=shard_state if host else 0,
         shape=dict(shape or {}),
         notes=list(notes or []),
     )
+
+
+def _forward_phase(
+    units: list[UnitCost], b: _Bytes, shards: float, states: float, cp_bytes: float
+) -> tuple[PhaseMemory, float]:
+    """Forward walked unit by unit (NOTE [Step model]). The engine allocates a prefetched
+    unit's gathered storage only when it is waited for: until then that unit is its all-gather
+    buffer (comm_buffers), so the gathered window is the unit computing (and the root) while
+    the next one is in flight. Activations grow as units finish; the root's head and the loss
+    add theirs at the end, when no block is gathered any more (under FULL_SHARD), and the loss
+    peaks there (NOTE [The loss's transient]). Returns the phase and its gathered peak."""
+    root = [u for u in units if u.is_root]
+    blocks = [u for u in units if not u.is_root]
+    walk = _Walk(shards + states)
+    root_gathered = sum(b.gathered(u) for u in root)
+    done = sum(b.act(u) - u.tail_bytes for u in root)
+    walk.visit(
+        gathered_window=root_gathered,
+        activations=done,
+        comm_buffers=b.ag_buffer(blocks[0] if blocks else None),
+    )
+    for i, u in enumerate(blocks):
+        held = [u] if b.raf else blocks[: i + 1]
+        # (a checkpointed unit keeps only its input; its activations are rebuilt in backward)
+        walk.visit(
+            gathered_window=root_gathered + sum(b.gathered(x) for x in held),
+            activations=done + b.act(u),
+            comm_buffers=b.ag_buffer(blocks[i + 1] if i + 1 < len(blocks) else None) + cp_bytes,
+        )
+        done += b.act(u)
+    walk.visit(
+        gathered_window=root_gathered + (0.0 if b.raf else sum(b.gathered(x) for x in blocks)),
+        activations=done + sum(u.tail_bytes for u in root),
+        other=sum(u.loss_forward_extra for u in root),
+    )
+    return walk.phase("forward", shards, states), walk.peak["gathered_window"]
+
+
+def _backward_phase(
+    units: list[UnitCost],
+    b: _Bytes,
+    shards: float,
+    states: float,
+    window_f: float,
+    cp_bytes: float,
+) -> tuple[PhaseMemory, float]:
+    """Backward: the loss, the root's head, then blocks in reverse (NOTE [Step model]).
+    Unsharded gradients count as "gradients" (as the memory tracker does) until reduced.
+    Returns the phase and the gradient bytes left for the optimizer."""
+    root = [u for u in units if u.is_root]
+    blocks = [u for u in units if not u.is_root]
+    walk = _Walk(shards + states)
+    visit = walk.visit
+    root_params = sum(b.gathered(u) for u in root)
+    root_grads = sum(b.ugrad(u) for u in root)
+    acts = sum(b.act(u) for u in units)
+    last = blocks[-1] if blocks else None
+    pp = b.cfg.pp > 1  # accumulators for the whole stage, reduced once after the last microbatch
+    accum = sum(b.ugrad(u) for u in units) if pp else 0.0
+    # The loss's backward: every activation held, its gradients at their peak
+    visit(
+        gradients=accum,
+        gathered_window=window_f,
+        activations=acts,
+        other=sum(u.loss_backward_extra for u in root),
+    )
+    # The root's head runs backward; the last block is being gathered (prefetch, or still
+    # gathered under SHARD_GRAD_OP).
+    visit(
+        gradients=accum or root_grads,
+        gathered_window=root_params + (b.gathered(last) if last else 0.0) if b.raf else window_f,
+        activations=acts - sum(u.loss_bytes for u in units),
+        comm_buffers=b.ag_buffer(last) if b.raf else 0.0,
+    )
+    remaining = sum(b.act(u) for u in blocks)
+    done_grads = 0.0
+    prev: UnitCost | None = None
+    for i in range(len(blocks) - 1, -1, -1):
+        u = blocks[i]
+        nxt = blocks[i - 1] if i > 0 else None
+        if b.raf:
+            window = root_params + b.gathered(u)  # the next unit is still its buffer (comm)
+            comm = b.ag_buffer(nxt)
+        else:
+            window = root_params + sum(b.gathered(x) for x in blocks[: i + 1])
+            comm = 0.0
+        # the previous unit's reduce-scatter is in flight (under pipeline parallel: in the
+        # last microbatch): its shard is a comm buffer until this unit's post-backward waits for
+        # it (one in flight, MAX_REDUCES_IN_FLIGHT)
+        comm += b.rs_buffers(prev)
+        in_flight = b.grad_shard(prev) if prev else 0.0
+        grads = accum if pp else done_grads - in_flight + root_grads + b.ugrad(u)
+        visit(
+            gradients=grads,
+            gathered_window=window,
+            activations=remaining,
+            comm_buffers=comm + 2 * cp_bytes,
+            # a checkpointed unit's recomputed tensors: real, but held by the checkpoint's own
+            # saved-tensor hooks, which the memory tracker's cannot see
+            other=b.recompute(u),
+        )
+        remaining -= b.act(u)
+        done_grads += b.grad_shard(u)
+        prev = u
+    # The end: the root's reduce-scatter, every other gradient already reduced.
+    all_grads = done_grads + sum(b.grad_shard(u) for u in root)
+    visit(
+        gradients=accum if pp else done_grads + root_grads,
+        gathered_window=root_params,
+        comm_buffers=sum(b.rs_buffers(u) for u in [*root, *([prev] if prev else [])]),
+    )
+    visit(gradients=all_grads)
+    return walk.phase("backward", shards, states), all_grads
 
 
 def _communication(
@@ -523,63 +713,15 @@ def _communication(
 
 
 def _tp_communication(units: list[UnitCost], tp: int, cb: int) -> list[Collective]:
-    """Tensor parallel's activation all-reduces: Megatron's plan all-reduces a block's output
-    twice in forward (attention, MLP) and twice in backward (their inputs' gradients), each the
-    size of the block's input (its ``input_bytes``). ``units``: over this rank's parameters."""
+    """Tensor parallel's activation collectives: Megatron's plan sums a block's output twice in
+    forward (attention, MLP) and twice in backward (their inputs' gradients), each the size of
+    the whole sequence's block input. Under sequence parallel each sum is a reduce-scatter and
+    the next all-gather: the same bytes as an all-reduce. A unit's ``input_bytes`` is its
+    sequence-parallel share (``1/tp``). ``units``: over this rank's parameters."""
     if tp == 1:
         return []
     psi = sum(u.numel for u in units) or 1.0
-    total = sum(4 * u.input_bytes for u in units if not u.is_root)
+    total = sum(4 * u.input_bytes * tp for u in units if not u.is_root)
     ring = 2 * (tp - 1) / tp
     return [Collective("all-reduce (TP)", "tp", tp, total / (psi * cb), total,
                        ring * total)]  # fmt: skip
-
-
-def plan_analytic(
-    params: float,
-    world_size: int,
-    config: PlanConfig | None = None,
-    *,
-    layers: int = 32,
-    hidden: int | None = None,
-    heads: int | None = None,
-    fused_attention: bool = False,
-) -> Plan:
-    """Plan a model of ``params`` parameters in ``layers`` equal units on ``world_size`` devices.
-
-    ``hidden`` defaults to ``sqrt(params / (12 * layers))`` (a transformer block has about
-    ``12 h^2`` parameters) and ``heads`` to ``hidden / 128``; they only shape the activation
-    estimate (:func:`korthikanti_activation_bytes`, per device batch ``config.batch``).
-    """
-    config = config or PlanConfig()
-    if params <= 0 or layers < 1 or world_size < 1:
-        raise ValueError("--params, --layers and --devices must be positive")
-    n = config.shard_group(world_size)
-    h = hidden or max(1, round(math.sqrt(params / (12 * layers))))
-    a = heads or max(1, round(h / 128))
-    cb = DTYPE_BYTES[config.precision]
-    act = korthikanti_activation_bytes(
-        config.batch, config.seq, h, a, act_bytes=cb, fused=fused_attention
-    )
-    per_layer = params / layers
-    unit = UnitCost(
-        name="layer",
-        numel=per_layer,
-        trainable_numel=per_layer,
-        shard_numel=per_layer / n,
-        grad_shard_numel=per_layer / n,
-        act_bytes=act,
-        # Checkpointing keeps each layer's input: s*b*h values in the compute dtype.
-        input_bytes=config.seq * config.batch * h * cb,
-    )
-    shape = {"hidden": h, "heads": a, "batch": config.batch, "seq": config.seq}
-    notes = ["activations: Korthikanti et al. (2022), no tensor/sequence parallelism"]
-    return build_plan(
-        [replace(unit, name=f"layer{i}") for i in range(layers)],
-        world_size,
-        config,
-        mode="analytic",
-        model=f"{params:.3g} parameters",
-        shape=shape,
-        notes=notes,
-    )

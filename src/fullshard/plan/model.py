@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -29,21 +28,22 @@ from fullshard.plan.accounting import (
     DTYPE_BYTES,
     Plan,
     PlanConfig,
-    Recommendation,
     UnitCost,
     build_plan,
-    fmt_bytes,
     korthikanti_activation_bytes,
 )
+from fullshard.plan.activations import UnitActivations, analytic_activations, with_loss_peaks
+from fullshard.plan.pipeline import inflight, stage_units
+from fullshard.plan.recommendation import recommend
+from fullshard.plan.steptime import step_time
+from fullshard.plan.transformer import TransformerShape, shape_of
 from fullshard.shard.layout import FlatLayout
 
 __all__ = [
     "LossStep",
-    "describe",
     "measure_activations",
     "model_units",
     "plan_model",
-    "recommend",
 ]
 
 # One training step's loss for a batch of token ids: ``loss_step(model, tokens)``.
@@ -60,19 +60,23 @@ def model_units(
     model: nn.Module,
     unit_types: Sequence[type[nn.Module]],
     shard_group: int,
-    activations: dict[int, tuple[float, float, float, float]] | None = None,
+    activations: dict[int, UnitActivations] | None = None,
     local_shapes: dict[str, torch.Size] | None = None,
     shard_dims: dict[str, int] | None = None,
 ) -> list[UnitCost]:
     """The model's units with per-rank shard sizes (padding included) for ``shard_group`` ranks.
 
-    ``activations`` maps a unit index (0 = the root) to what :func:`measure_activations`
-    returns for it: ``(saved bytes, input bytes, tail bytes, loss bytes)``. ``local_shapes``:
-    parameter name -> the shape one rank holds under tensor parallel (the others are whole).
-    ``shard_dims``: parameter name -> the dim ``shard_placement_fn`` shards it on (others: 0);
-    a Shard(k) parameter's shard is exactly ``numel / shard_group``, with no padding.
+    ``activations`` maps a unit index (0 = the root) to its :class:`UnitActivations`
+    (:func:`measure_activations` or :func:`~fullshard.plan.activations.analytic_activations`).
+    ``local_shapes``: parameter name -> the shape one rank holds under tensor parallel (the
+    others are whole). ``shard_dims``: parameter name -> the dim ``shard_placement_fn`` shards
+    it on (others: 0); a Shard(k) parameter's shard is exactly ``numel / shard_group``, with no
+    padding. A unit's ``fp8_numel`` counts the weights of its ``nn.Linear`` layers (what
+    float8 training converts and gathers as float8; never the root's, as torchtitan leaves the
+    output head in 16 bits).
     """
     out = []
+    linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     for i, unit in enumerate(_units(model, unit_types)):
         params = [model.get_parameter(n) for n in unit.params]
         local = local_shapes or {}
@@ -84,7 +88,9 @@ def model_units(
         grads = [d for d, p in zip(dims, params, strict=True) if p.requires_grad]
         layout = unit_layout(shapes, shard_group, dims)
         grad_layout = FlatLayout(trainable, shard_group, dims=grads)
-        act, inp, tail, loss = (activations or {}).get(i, (0.0, 0.0, 0.0, 0.0))
+        acts = (activations or {}).get(i, UnitActivations(0.0))
+        fp8 = 0 if unit.is_root else sum(s.numel() for n, s in zip(unit.params, shapes, strict=True)
+                                         if n in linear)  # fmt: skip
         out.append(
             UnitCost(
                 name=unit.name or "root",
@@ -93,11 +99,15 @@ def model_units(
                 shard_numel=float(layout.shard_numel),
                 # + one presence column per trainable parameter (NOTE [Which gradients exist])
                 grad_shard_numel=float(grad_layout.shard_numel + len(trainable)),
-                act_bytes=act,
-                input_bytes=inp,
+                act_bytes=acts.saved,
+                input_bytes=acts.input,
                 is_root=unit.is_root,
-                tail_bytes=tail,
-                loss_bytes=loss,
+                tail_bytes=acts.tail,
+                loss_bytes=acts.loss,
+                selective_bytes=acts.selective,
+                loss_forward_extra=acts.loss_forward_extra,
+                loss_backward_extra=acts.loss_backward_extra,
+                fp8_numel=float(fp8),
             )
         )
     # (a root without parameters of its own stays as an empty unit: its activations count)
@@ -217,6 +227,47 @@ def _shape_estimate(model: nn.Module, batch: int, seq: int, cb: int) -> tuple[fl
     return korthikanti_activation_bytes(batch, seq, hidden, heads, act_bytes=cb), int(hidden)
 
 
+def _activations(
+    model: nn.Module,
+    unit_types: Sequence[type[nn.Module]],
+    loss_step: LossStep,
+    config: PlanConfig,
+    shape: TransformerShape | None,
+    vocab: int | None,
+    notes: list[str],
+) -> dict[int, UnitActivations]:
+    """Each unit's activations, measured where the fake forward runs the planned configuration
+    and analytic elsewhere (``fullshard.plan.activations``); selective always analytic."""
+    n_units = len(_units(model, unit_types))
+    analytic = analytic_activations(shape, n_units, config) if shape else None
+    why = "tensor, pipeline or context parallel splits them"
+    if config.tp == config.cp == config.pp == 1:
+        dtype = _TORCH_DTYPES[config.precision]
+        try:
+            raw = measure_activations(model, unit_types, loss_step, config.batch, config.seq, dtype)
+        except Exception as exc:  # any model whose forward fake tensors cannot run
+            why = f"the fake-tensor forward failed: {exc}"
+        else:
+            notes.append("activations: saved tensors of one forward + loss, measured on fake "
+                         "tensors (selective checkpointing: per token from the model's shape)")  # fmt: skip
+            acts = {
+                i: UnitActivations(a, inp, tail, loss,
+                                   selective=analytic[i].selective if analytic else 0.0)
+                for i, (a, inp, tail, loss) in raw.items()
+            }  # fmt: skip
+            acts[0] = with_loss_peaks(acts[0], config, vocab)
+            return acts
+    if analytic is not None:
+        notes.append(f"activations: per token from the model's shape ({why})")
+        return analytic
+    cb = DTYPE_BYTES[config.precision]
+    per_layer, hidden = _shape_estimate(model, config.batch, config.seq, cb)
+    # checkpointing keeps each block's input: batch * seq * hidden in the compute dtype
+    inp = float(config.batch * config.seq * hidden * cb)
+    notes.append(f"activations: Korthikanti estimate ({why})")
+    return {i: UnitActivations(per_layer, inp) for i in range(1, n_units)}
+
+
 def plan_model(
     model: nn.Module,
     unit_types: Sequence[type[nn.Module]],
@@ -228,15 +279,18 @@ def plan_model(
     shape: dict[str, int] | None = None,
     with_recommendation: bool = True,
     local_shapes: dict[str, torch.Size] | None = None,
+    vocab: int | None = None,
 ) -> Plan:
-    """Predict per-device memory (by category and phase) and communication for a real model.
+    """Predict per-device memory (by category and phase), communication and, given
+    ``config.hardware``, the step time of a real model.
 
     ``model``: any module (any device, the meta device included; a real one is not modified),
     whose modules of ``unit_types`` become units. ``loss_step(model, tokens)`` is one step's
     loss, run once on fake tensors to measure activations. ``config`` gives strategy,
-    precision, optimizer, per-device ``batch`` and ``seq``, checkpointing and offload
-    (:class:`PlanConfig`; ``config.tp`` > 1 with ``local_shapes``, the TP-local parameter shapes,
-    for tensor parallel). ``name`` and ``shape`` only label the report. The result's
+    precision, optimizer, per-device ``batch`` and ``seq``, checkpointing, offload and the
+    parallel degrees (:class:`PlanConfig`; ``config.tp`` > 1 with ``local_shapes``, the TP-local
+    parameter shapes). ``vocab``: the logits per token (the loss's size; default the model's
+    own). ``name`` and ``shape`` only label the report. The result's
     ``phases[phase].categories()`` use the memory tracker's vocabulary
     (``fullshard.policies.MEMORY_CATEGORIES``).
     """
@@ -244,31 +298,30 @@ def plan_model(
     if world_size < 1:
         raise ValueError(f"world size must be at least 1, got {world_size}")
     notes: list[str] = []
-    dtype = _TORCH_DTYPES[config.precision]
-    try:
-        acts = measure_activations(model, unit_types, loss_step, config.batch, config.seq, dtype)
-        notes.append("activations: saved tensors of one forward + loss, measured on fake tensors")
-    except Exception as exc:  # any model whose forward fake tensors cannot run
-        cb = DTYPE_BYTES[config.precision]
-        per_layer, hidden = _shape_estimate(model, config.batch, config.seq, cb)
-        # checkpointing keeps each block's input: batch * seq * hidden in the compute dtype
-        inp = float(config.batch * config.seq * hidden * cb)
-        acts = {i: (per_layer, inp, 0.0, 0.0) for i in range(1, len(_units(model, unit_types)))}
-        notes.append(f"activations: Korthikanti estimate (fake-tensor forward failed: {exc})")
+    tshape = shape_of(model, vocab)
+    acts = _activations(model, unit_types, loss_step, config, tshape,
+                        vocab or (tshape.vocab if tshape else None), notes)  # fmt: skip
     if config.tp > 1:
         notes.append(
             f"tensor parallel over {config.tp} devices: split matrices count 1/{config.tp} per "
-            "device; activations are those of the unsplit model (an upper bound)"
+            "device, with sequence parallel (norms and block inputs split by sequence) and loss "
+            "parallel (logits split by vocabulary)"
         )
+    if tshape is None and config.hardware is not None:
+        notes.append("no step time: the model is not a transformer the planner can count")
     label = name or type(model).__name__
     shape = shape or {"batch": config.batch, "seq": config.seq}
 
     def evaluate(cfg: PlanConfig) -> Plan:
-        group = cfg.shard_group(world_size // cfg.tp)
+        group = cfg.shard_group(cfg.dp_world(world_size))
         units = model_units(model, unit_types, group, acts, local_shapes)
-        return build_plan(
-            units, world_size, cfg, mode="model", model=label, shape=shape, notes=notes
-        )
+        if cfg.pp > 1:
+            return _pipeline_plan(units, world_size, cfg, tshape, label, shape, notes)
+        plan = build_plan(units, world_size, cfg, mode="model", model=label, shape=shape,
+                          notes=notes, cp_bytes=_cp_bytes(cfg, tshape))  # fmt: skip
+        if cfg.hardware is not None and tshape is not None:
+            plan.step = step_time(tshape, units, world_size, cfg, cfg.hardware)
+        return plan
 
     plan = evaluate(config)
     if with_recommendation:
@@ -276,89 +329,37 @@ def plan_model(
     return plan
 
 
-# -- recommendation ------------------------------------------------------------------------
-# Why each strategy is preferred when it fits (the candidates' order is the reasoning).
-_WHY = {
-    "no_shard": "replicated state fits, and plain data parallelism moves the least (one "
-    "all-reduce, 2 model units per step)",
-    "hybrid_shard_zero2": "gathers and reduce-scatters stay inside groups of {g} (one node); "
-    "across groups only each shard is all-reduced (2/{g} units), and parameters stay gathered "
-    "from forward to backward (no second all-gather)",
-    "shard_grad_op": "2 model units per step (no backward all-gather): parameters stay gathered "
-    "from forward to backward",
-    "hybrid_shard": "gathers and reduce-scatters stay inside groups of {g}; across groups only "
-    "2/{g} units; parameters are freed after forward",
-    "full_shard": "the least memory: everything sharded over all devices and parameters freed "
-    "after forward, for 3 model units per step (1.5x plain data parallelism)",
-}
+def _cp_bytes(cfg: PlanConfig, shape: TransformerShape | None) -> float:
+    """One layer's k and v gathered by context parallel (whole sequence, every head)."""
+    if cfg.cp == 1 or shape is None:
+        return 0.0
+    tokens = cfg.batch * cfg.seq / ((cfg.microbatches or cfg.pp) if cfg.pp > 1 else 1)
+    return 2 * tokens * shape.q_dim * DTYPE_BYTES[cfg.precision] / cfg.tp
 
 
-def _candidates(world: int, per_node: int) -> list[tuple[str, int | None]]:
-    """Strategies from the least communication to the least memory."""
-    out: list[tuple[str, int | None]] = [("no_shard", None)]
-    groups = []
-    g = per_node
-    while 1 < g < world:
-        if world % g == 0:
-            groups.append(g)
-        g *= 2
-    # Hybrid keeps the gathers inside a node: across nodes only 2/G units (the shard all-reduce).
-    out += [("hybrid_shard_zero2", g) for g in groups]
-    out.append(("shard_grad_op", None))
-    out += [("hybrid_shard", g) for g in groups]
-    out.append(("full_shard", None))
-    return out
-
-
-def describe(cfg: PlanConfig) -> str:
-    """A configuration in words, e.g. ``hybrid_shard (groups of 8) + CPU offload``."""
-    text = cfg.strategy + (f" (groups of {cfg.hybrid_group})" if cfg.hybrid_group else "")
-    extras = [x for x, on in (("activation checkpointing", cfg.activation_checkpointing),
-                              ("CPU offload", cfg.offload)) if on]  # fmt: skip
-    return text + "".join(f" + {x}" for x in extras)
-
-
-def recommend(
-    evaluate: Callable[[PlanConfig], Plan], config: PlanConfig, world: int
-) -> Recommendation:
-    """Pick the cheapest configuration that fits ``config.device_memory``, and say why.
-
-    Preference: no activation checkpointing before checkpointing (recomputation costs about
-    one extra forward), then the strategy with the least communication (:func:`_candidates`),
-    CPU offload last (host-device copies every step). ``evaluate`` plans one configuration.
-    """
-    usable = (config.device_memory or float("inf")) * (1.0 - config.reserve)
-    # (strategy, checkpointing) -> why it was rejected; hybrid keeps its largest group tried
-    rejected: dict[tuple[str, bool], str] = {}
-    for ckpt, offload in ((False, False), (True, False), (True, True)):
-        dp_world, dp_per_node = world // config.tp, max(config.devices_per_node // config.tp, 1)
-        for strategy, group in _candidates(dp_world, dp_per_node):
-            if offload and strategy != "full_shard":
-                continue
-            cfg = replace(
-                config,
-                strategy=strategy,
-                hybrid_group=group,
-                activation_checkpointing=ckpt,
-                offload=offload,
-            )
-            plan = evaluate(cfg)
-            if plan.peak_bytes <= usable:
-                why = f"{describe(cfg)} fits: peak {fmt_bytes(plan.peak_bytes)} per device of "
-                why += f"{fmt_bytes(usable)} usable; {_WHY[strategy].format(g=group)}."
-                if rejected:
-                    why += " Cheaper options do not fit: " + "; ".join(rejected.values()) + "."
-                if offload:
-                    why += f" Host memory per device: {fmt_bytes(plan.host_bytes)}."
-                return Recommendation(strategy, group, ckpt, offload, True, plan.peak_bytes, why)
-            rejected[(strategy, ckpt)] = f"{describe(cfg)} needs {fmt_bytes(plan.peak_bytes)}"
-    last = replace(config, strategy="full_shard", hybrid_group=None,
-                   activation_checkpointing=True, offload=True)  # fmt: skip
-    plan = evaluate(last)
-    why = (
-        f"nothing fits {fmt_bytes(usable)} usable per device; the smallest is "
-        f"{describe(last)} at {fmt_bytes(plan.peak_bytes)} (gathered window "
-        f"{fmt_bytes(plan.window_backward)} + activations). Reduce --batch / --seq or use "
-        "tensor parallelism."
-    )
-    return Recommendation("full_shard", None, True, True, False, plan.peak_bytes, why)
+def _pipeline_plan(
+    units: list[UnitCost],
+    world_size: int,
+    cfg: PlanConfig,
+    shape: TransformerShape | None,
+    label: str,
+    shape_label: dict[str, int],
+    notes: list[str],
+) -> Plan:
+    """The worst pipeline rank's memory and the slowest one's step (NOTE [Pipeline stages]):
+    the first rank (most microbatches in flight) and the last (the head and the loss)."""
+    plans = []
+    for rank in sorted({0, cfg.pp - 1}):
+        stage = stage_units(units, cfg, rank, shape)
+        plan = build_plan(stage, world_size, cfg, mode="model", model=label, shape=shape_label,
+                          notes=[*notes, f"pipeline rank {rank} of {cfg.pp}"],
+                          inflight=inflight(cfg, rank), cp_bytes=_cp_bytes(cfg, shape))  # fmt: skip
+        if cfg.hardware is not None and shape is not None:
+            plan.step = step_time(shape, stage, world_size, cfg, cfg.hardware,
+                                  head=rank == cfg.pp - 1)  # fmt: skip
+        plans.append(plan)
+    worst = max(plans, key=lambda p: p.peak_bytes)
+    timed = [p.step for p in plans if p.step is not None]
+    if timed:
+        worst.step = max(timed, key=lambda st: st.step_s)
+    return worst

@@ -22,8 +22,16 @@ from fullshard.app.models.gpt import (
     unit_types_of,
 )
 from fullshard.plan import GB, Plan, PlanConfig, fmt_bytes, plan_analytic, plan_model, recommend
-from fullshard.plan.accounting import DTYPE_BYTES, OPTIMIZERS, Recommendation
-from fullshard.plan.model import describe
+from fullshard.plan.accounting import (
+    COMPILE_SCOPES,
+    DTYPE_BYTES,
+    OPTIMIZERS,
+    PP_SCHEDULES,
+    Recommendation,
+)
+from fullshard.plan.hardware import hardware_names, load_hardware
+from fullshard.plan.recommendation import describe
+from fullshard.plan.transformer import POLICIES
 from fullshard.policies import MEMORY_CATEGORIES, STEP_PHASES
 
 BYTE_VOCAB = 256  # the built-in models' vocabulary: UTF-8 bytes, as fullshard train reads text
@@ -35,6 +43,7 @@ __all__ = [
     "make_plan",
     "model_vocab",
     "plan_builtin",
+    "plan_config",
     "plan_json",
     "run",
 ]
@@ -80,12 +89,16 @@ def plan_builtin(
         shape={"batch": config.batch, "seq": config.seq, "vocab": output_vocab_size(model)},
         with_recommendation=with_recommendation,
         local_shapes=local,
+        vocab=output_vocab_size(model),
     )
 
 
 def tp_local_shapes(model: nn.Module, tp: int) -> dict[str, torch.Size]:
-    """Parameter name -> the shape one rank holds under ``fullshard train --tp`` (column-wise:
-    rows split; row-wise: columns split, bias whole)."""
+    """Parameter name -> the shape one rank holds under tensor parallel: the blocks as
+    ``fullshard train --tp`` splits them (column-wise: rows split; row-wise: columns split, bias
+    whole), and the input embedding and output head split by vocabulary as torchtitan's plan
+    splits them (row-wise embedding, column-wise head with loss parallel), when ``tp`` divides
+    the vocabulary."""
     from fullshard.app.models.tensor_parallel import block_plan, check_divisible
 
     out: dict[str, torch.Size] = {}
@@ -102,6 +115,12 @@ def tp_local_shapes(model: nn.Module, tp: int) -> dict[str, torch.Size]:
             out[f"{bname}.{sub}.weight"] = torch.Size(w)
             if linear.bias is not None and kind == "col":
                 out[f"{bname}.{sub}.bias"] = torch.Size([out_f // tp])
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, get, lambda: None)()
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and id(weight) in by_id and weight.shape[0] % tp == 0:
+            out[by_id[id(weight)]] = torch.Size([weight.shape[0] // tp, *weight.shape[1:]])
     return out
 
 
@@ -116,13 +135,17 @@ def make_plan(
     heads: int | None = None,
     fused_attention: bool = False,
     vocab_size: int | None = None,
+    with_recommendation: bool = True,
 ) -> Plan:
     """What ``fullshard plan`` prints: an analytic (``params``) or model (``model``) plan with its
     recommendation attached."""
     if (params is None) == (model is None):
         raise ValueError("give either a parameter count (--params) or a model (--model)")
     if model is not None:
-        return plan_builtin(model, world_size, config, vocab_size=vocab_size)
+        return plan_builtin(
+            model, world_size, config, vocab_size=vocab_size,
+            with_recommendation=with_recommendation,
+        )  # fmt: skip
     assert params is not None
 
     def evaluate(cfg: PlanConfig) -> Plan:
@@ -132,7 +155,8 @@ def make_plan(
         )  # fmt: skip
 
     plan = evaluate(config)
-    plan.recommendation = recommend(evaluate, config, world_size)
+    if with_recommendation:
+        plan.recommendation = recommend(evaluate, config, world_size)
     return plan
 
 
@@ -150,8 +174,8 @@ def format_plan(plan: Plan) -> str:
         f"fullshard plan ({plan.mode} mode): {name}{plan.params:,.0f} parameters{tp} in "
         f"{plan.layers} units{root}, {plan.world_size} devices",
         f"  {cfg.strategy} (shard group {plan.shard_group}), {precision}, {cfg.optimizer}, "
-        f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
-        f"offload {'on' if cfg.offload else 'off'}; per device: {shape}",
+        f"activation checkpointing {cfg.checkpointing}, "
+        f"offload {'on' if cfg.offload else 'off'}{_extras(cfg)}; per device: {shape}",
         "",
         f"ZeRO ladder: model state per device at {lad.bytes_per_param:g} B/param "
         f"({cb} params + {cb} grads + {lad.bytes_per_param - 2 * cb:g} optimizer), no activations",
@@ -189,11 +213,14 @@ def format_plan(plan: Plan) -> str:
     if not plan.comm:
         lines.append("  none (one device)")
     lines.append("")
+    lines += _step_lines(plan)
     if plan.usable_bytes is not None:
         verdict = "fits" if plan.fits else "does NOT fit"
         lines.append(
-            f"Device memory {fmt_bytes(cfg.device_memory or 0)} ({fmt_bytes(plan.usable_bytes)} "
-            f"usable, {cfg.reserve:.0%} reserve): peak {fmt_bytes(plan.peak_bytes)} -> {verdict}"
+            f"Device memory: {fmt_bytes(plan.usable_bytes)} usable; peak live "
+            f"{fmt_bytes(plan.peak_bytes)}, reserved by the allocator "
+            f"{fmt_bytes(plan.peak_reserved_bytes)} ({plan.peak_reserved_bytes / 2**30:.1f} GiB) "
+            f"-> {verdict}"
         )
     if plan.host_bytes:
         lines.append(f"Host memory per device (offloaded state): {fmt_bytes(plan.host_bytes)}")
@@ -203,6 +230,29 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  why: {rec.reason}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _extras(cfg: PlanConfig) -> str:
+    parts = [f"tp {cfg.tp}" if cfg.tp > 1 else "", f"pp {cfg.pp} ({cfg.pp_schedule})"
+             if cfg.pp > 1 else "", f"cp {cfg.cp}" if cfg.cp > 1 else "",
+             f"torch.compile ({cfg.compile})" if cfg.compile_blocks else "",
+             "float8" if cfg.float8 else "",
+             "async TP" if cfg.async_tp else ""]  # fmt: skip
+    return "".join(f", {p}" for p in parts if p)
+
+
+def _step_lines(plan: Plan) -> list[str]:
+    """The step-time model's prediction (NOTE [Step-time model] in fullshard.plan.steptime)."""
+    step, hw = plan.step, plan.config.hardware
+    if step is None or hw is None:
+        return []
+    shares = ", ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in step.shares().items() if v)
+    return [
+        f"Step time on {hw.name}: {step.step_s:.3g} s; {step.tokens_per_s_per_device:,.0f} tokens/s "
+        f"per device, MFU {step.mfu:.1%} (see NOTE [Step-time model] in fullshard.plan.steptime)",
+        f"  of the step: {shares}",
+        "",
+    ]
 
 
 def _describe_rec(rec: Recommendation) -> str:
@@ -226,7 +276,9 @@ examples:
   fullshard plan --params 7.5e9 --devices 64                 # the ZeRO paper's ladder
   fullshard plan --params 70e9 --layers 80 --devices 8 --device-memory 80
   fullshard plan --model small --devices 4 --batch 8 --seq 128
-  fullshard plan --model 7b --devices 1024 --precision bf16 --json
+  fullshard plan --model hf:DIR --devices 8 --batch 2 --seq 8192 --precision bf16 \\
+      --activation-checkpointing selective --gpu h100-80gb --json
+  fullshard plan --calibrate --devices 2 --calibration here.json   # measure this machine
 
 GB = 1e9 bytes. Analytic mode splits --params into --layers equal units; model mode builds
 the model on the meta device (no memory) and shards each unit as the engine would.
@@ -236,7 +288,7 @@ the model on the meta device (no memory) and shards each unit as the engine woul
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``fullshard plan``."""
     what = parser.add_argument_group("model (one of)")
-    src = what.add_mutually_exclusive_group(required=True)
+    src = what.add_mutually_exclusive_group()
     src.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (analytic mode)")
     src.add_argument("--model", help="a fullshard.app.models.gpt name: tiny, demo, small, gpt2-124m, "
                      "1b, 7b, hf:NAME, or hf:DIR for a local Hugging Face config directory "
@@ -253,16 +305,28 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                       "from its config.json; 256 byte tokens for the built-in names)")  # fmt: skip
     hw = parser.add_argument_group("hardware")
     hw.add_argument("--devices", type=int, required=True, help="number of devices (world size)")
-    hw.add_argument("--device-memory", type=float, default=80.0,
-                    help="memory per device in GB (default 80)")  # fmt: skip
-    hw.add_argument("--reserve", type=float, default=0.1,
-                    help="fraction of device memory kept back for context and fragmentation "
-                    "(default 0.1)")  # fmt: skip
+    hw.add_argument("--gpu", default="h100-80gb",
+                    help=f"the device: a preset ({', '.join(hardware_names())}) or a JSON file "
+                    "(what --calibrate writes; docs/plan.md shows its keys) (default h100-80gb)")  # fmt: skip
+    hw.add_argument("--device-memory", type=float,
+                    help="memory per device in GB (default: the --gpu's)")  # fmt: skip
+    hw.add_argument("--reserve", type=float,
+                    help="with --device-memory: the fraction kept back for context and "
+                    "fragmentation (default 0.1); else the --gpu's allocator factor and "
+                    "overhead decide")  # fmt: skip
     hw.add_argument("--devices-per-node", type=int, default=8,
                     help="devices per node: the default hybrid group (default 8)")  # fmt: skip
     run_ = parser.add_argument_group("training")
     # fullshard train's own definitions: the plan reads them as a run would
     add_config_options(run_, "strategy", "tp")
+    run_.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (default 1)")
+    run_.add_argument("--cp", type=int, default=1,
+                      help="context-parallel degree: each sequence split over this many "
+                      "devices (default 1)")  # fmt: skip
+    run_.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES,
+                      help="pipeline schedule: 1f1b, or interleaved (2 stages per rank)")  # fmt: skip
+    run_.add_argument("--microbatches", type=int,
+                      help="pipeline microbatches per step (default: --pp)")  # fmt: skip
     run_.add_argument("--hybrid-group", type=int,
                       help="hybrid strategies: devices per shard group (default: per node)")  # fmt: skip
     run_.add_argument("--precision", choices=tuple(DTYPE_BYTES),
@@ -276,7 +340,20 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--batch", type=int, default=1, help="sequences per device (default 1)")
     run_.add_argument("--seq", type=int,
                       help="tokens per sequence (default: 2048 analytic, 128 model mode)")  # fmt: skip
-    add_config_options(run_, "activation_checkpointing")
+    run_.add_argument("--activation-checkpointing", nargs="?", const="full", default="none",
+                      choices=POLICIES,
+                      help="none, selective (torchtitan's per-op policy: every other matmul's "
+                      "and attention's outputs kept) or full (each block's input kept); the "
+                      "flag alone is full (default none)")  # fmt: skip
+    run_.add_argument("--compile", nargs="?", const="all", default="none",
+                      choices=COMPILE_SCOPES,
+                      help="torch.compile: the flag alone compiles the blocks and the loss "
+                      "(torchtitan's --training.compile since 2025); 'blocks' the blocks only "
+                      "(torchtitan in 2024)")  # fmt: skip
+    run_.add_argument("--float8", action="store_true",
+                      help="float8 linears in the blocks, their weights all-gathered as float8")  # fmt: skip
+    run_.add_argument("--async-tp", action="store_true",
+                      help="tensor parallel's collectives split under its matmuls")  # fmt: skip
     run_.add_argument("--offload", action="store_true",
                       help="keep shards, gradients and the optimizer step on the CPU")  # fmt: skip
     run_.add_argument(
@@ -286,15 +363,19 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="collective backend: gloo's reduce-scatter needs one more buffer (default nccl)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    cal = parser.add_argument_group("calibration")
+    cal.add_argument("--calibrate", action="store_true",
+                     help="measure this machine on --devices local ranks (matmul rate, memory "
+                     "bandwidth, the backend's collective bandwidth) and write --calibration")  # fmt: skip
+    cal.add_argument("--calibration", default="fullshard-calibration.json",
+                     help="where --calibrate writes this machine's description (for --gpu)")  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> str:
-    """``fullshard plan``: the report (or JSON) for parsed ``args``."""
-    analytic = args.params is not None
-    for name in ("devices", "layers", "batch", "devices_per_node"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    config = PlanConfig(
+def plan_config(args: argparse.Namespace, analytic: bool) -> PlanConfig:
+    """The :class:`PlanConfig` that parsed ``fullshard plan`` options describe."""
+    hardware = load_hardware(args.gpu, devices_per_node=args.devices_per_node)
+    memory = args.device_memory * GB if args.device_memory is not None else None
+    return PlanConfig(
         strategy=args.strategy,
         hybrid_group=args.hybrid_group,
         precision=args.precision or ("bf16" if analytic else "fp32"),
@@ -304,16 +385,39 @@ def run(args: argparse.Namespace) -> str:
         seq=args.seq or (2048 if analytic else 128),
         activation_checkpointing=args.activation_checkpointing,
         offload=args.offload,
-        device_memory=args.device_memory * GB,
-        reserve=args.reserve,
+        device_memory=memory,
+        reserve=0.1 if args.reserve is None else args.reserve,
         devices_per_node=args.devices_per_node,
         backend=args.backend,
         tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        pp_schedule=args.pp_schedule,
+        microbatches=args.microbatches,
+        compile=args.compile,
+        float8=args.float8,
+        async_tp=args.async_tp,
+        hardware=hardware,
     )
-    if args.tp < 1 or args.devices % args.tp:
-        raise ValueError(f"--tp {args.tp} must be at least 1 and divide --devices {args.devices}")
-    if analytic and args.tp > 1:
-        raise ValueError("--tp needs a model to split (--model); analytic mode has no matrices")
+
+
+def run(args: argparse.Namespace) -> str:
+    """``fullshard plan``: the report (or JSON) for parsed ``args``."""
+    analytic = args.params is not None
+    if args.params is None and args.model is None:
+        raise ValueError("give a parameter count (--params) or a model (--model)")
+    for name in ("devices", "layers", "batch", "devices_per_node", "pp", "cp"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    config = plan_config(args, analytic)
+    model_parallel = args.tp * args.pp * args.cp
+    if args.tp < 1 or args.devices % model_parallel:
+        raise ValueError(
+            f"--tp {args.tp} x --pp {args.pp} x --cp {args.cp} must divide --devices {args.devices}"
+        )
+    if analytic and model_parallel > 1:
+        raise ValueError("--tp/--pp/--cp need a model to split (--model); analytic mode has no "
+                         "matrices")  # fmt: skip
     plan = make_plan(
         args.devices,
         config,

@@ -535,18 +535,21 @@ def validate_plan(args: argparse.Namespace) -> None:
             f"--params {args.params} is not a parameter count: give a finite number of at "
             "least 1, e.g. --params 7e9"
         )
-    if not (math.isfinite(args.device_memory) and args.device_memory > 0):
+    memory, reserve = args.device_memory, args.reserve
+    if memory is not None and not (math.isfinite(memory) and memory > 0):
         raise ConfigError(
-            f"--device-memory {args.device_memory} is not a memory size: give the GB of one "
+            f"--device-memory {memory} is not a memory size: give the GB of one "
             "device, a finite positive number, e.g. --device-memory 80"
         )
-    if not (math.isfinite(args.reserve) and 0.0 <= args.reserve < 1.0):
+    if reserve is not None and not (math.isfinite(reserve) and 0.0 <= reserve < 1.0):
         raise ConfigError(
-            f"--reserve {args.reserve} is not a fraction of device memory: give a number in "
+            f"--reserve {reserve} is not a fraction of device memory: give a number in "
             "[0, 1), e.g. --reserve 0.1 (10% kept back)"
         )
-    _at_least(args, 1, "devices", "layers", "batch", "devices_per_node", "tp")
-    for dest in ("hidden", "heads", "seq", "hybrid_group", "vocab"):
+    if not args.calibrate and args.params is None and args.model is None:
+        raise ConfigError("give a parameter count (--params) or a model (--model), or --calibrate")
+    _at_least(args, 1, "devices", "layers", "batch", "devices_per_node", "tp", "pp", "cp")
+    for dest in ("hidden", "heads", "seq", "hybrid_group", "vocab", "microbatches"):
         if getattr(args, dest, None) is not None:
             _at_least(args, 1, dest)
 
@@ -557,6 +560,19 @@ def validate_plan_check(args: argparse.Namespace) -> None:
         raise ConfigError("--check runs a model: give --model (model mode)")
     if getattr(args, "tp", 1) > 1:
         raise ConfigError("--check does not run tensor parallel yet: drop --tp (or --check)")
+    unrun = [f"--{name.replace('_', '-')}" for name in ("pp", "cp") if getattr(args, name) > 1]
+    unrun += [
+        f"--{name.replace('_', '-')}" for name in ("float8", "async_tp") if getattr(args, name)
+    ]
+    unrun += ["--compile"] if args.compile != "none" else []
+    unrun += ["--activation-checkpointing selective"] * (
+        args.activation_checkpointing == "selective"
+    )
+    if unrun:
+        raise ConfigError(
+            f"--check runs the model with fullshard's trainer, which does not run {', '.join(unrun)}"
+            " here: drop them (or --check)"
+        )
     validate_plan(args)
     _at_least(args, 1, "check_steps")
     _model_and_length(args.model, args.seq or 128, "--seq")
