@@ -138,6 +138,34 @@ def _injected(
     return {"differing": _differing(model, ref)}
 
 
+def _emulated(rank: int, world: int) -> dict[str, Any]:
+    """The CUDA path on CPU (``fullshard.testing.emulation``, every tensor device memory,
+    collectives as NCCL's on streams): no ordering error, the same bits as one process, and no
+    host synchronisation in a step once the plan is built (the first step's all-gather of
+    objects is one)."""
+    from fullshard.testing import emulation
+
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)  # (a deep copy does not run under the emulation)
+    try:
+        with emulation.cuda_emulation(all_device=True):
+            model = _sharded(model)
+            opt, refs = _optimizers(model, ref, CONFIGS[0])
+            g = torch.Generator().manual_seed(1)
+            syncs = []
+            for _ in range(STEPS):
+                _inject(model, ref, g, set())
+                emulation.reset_sync_counts()
+                opt.step()
+                syncs.append({f"{k} at {w}": n for (k, w), n in emulation.sync_counts().items()})
+                for o in refs:
+                    o.step()
+            return {"error": None, "differing": _differing(model, ref), "syncs": syncs}
+    except emulation.StreamOrderError as exc:
+        return {"error": str(exc)}
+
+
 def _ns_fp64(
     grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
 ) -> torch.Tensor:
@@ -362,6 +390,7 @@ def muon_program(rank: int, world: int, folder: str) -> dict:
         cases[("injected", "skipped")] = (_injected, (CONFIGS[0], "", 1))
         cases["torch_muon"] = (_fp64_training, (CONFIGS[0], "torch"))
         cases["comm"] = (_comm_and_balance, ())
+        cases["emulated"] = (_emulated, ())
     if world == 4:
         cases[("injected", "hsdp")] = (_injected, (CONFIGS[0], "hsdp"))
         cases["tp"] = (_tensor_parallel, ())

@@ -46,6 +46,16 @@ def test_bit_for_bit_one_process_given_the_same_gradients(
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
+def test_cuda_path_orders_its_streams_and_never_waits_on_the_host(
+    runs: dict[int, list[dict]], world: int
+) -> None:
+    for out in _cases(runs, world, "emulated"):
+        assert out["error"] is None, out["error"]
+        assert out["differing"] == []
+        assert all(s == {} for s in out["syncs"][1:]), out["syncs"]  # after the plan's step
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_fp64_training_matches_one_process(runs: dict[int, list[dict]], world: int) -> None:
     for k in range(len(CONFIGS)):
         for out in _cases(runs, world, ("fp64", k)):
@@ -137,3 +147,35 @@ def test_no_case_was_left_out(runs: dict[int, list[dict]], tmp_path: Path) -> No
     for world, results in runs.items():
         for key, value in results[0].items():
             assert "raised" not in value, (world, key, value.get("raised"))
+
+
+def test_train_with_muon_resumed_at_4_ranks_equals_one_rank(tmp_path: Path) -> None:
+    """``fullshard train --optimizer muon --deterministic``: one rank trains 4 steps, saving
+    after 2; 4 ranks resume that checkpoint (the train state, DCP: the Muon momentum resharded
+    1 -> 4) and end with one rank's weights and figures, bit for bit. A resume with the other
+    optimizer is refused before launch."""
+    from test_app_cli import converted, records, train_on_ranks
+
+    from fullshard.app.cli import main
+
+    common = [
+        "--optimizer", "muon", "--deterministic", "--model", "tiny", "--max-steps", "4",
+        "--batch-size", "8", "--micro-batch-size", "2", "--seq-len", "32", "--sample-tokens",
+        "0", "--log-every", "1", "--eval-every", "4", "--eval-batches", "1", "--no-progress",
+        "--runs-dir", str(tmp_path), "--save-every", "2",
+    ]  # fmt: skip
+    assert [r["status"] for r in train_on_ranks([*common, "--name", "one"], world=1)] == [0]
+    half = str(tmp_path / "one" / "checkpoints" / "step_00000002")
+    resumed = train_on_ranks([*common, "--name", "moved", "--resume", half], world=4)
+    assert [r["status"] for r in resumed] == [0] * 4, resumed[0]["stderr"]
+    one, moved = (
+        converted(tmp_path / n / "checkpoints" / "step_00000004", tmp_path / f"{n}.safetensors")
+        for n in ("one", "moved")
+    )
+    for name, t in one.items():
+        assert torch.equal(_bits(moved[name]), _bits(t)), name
+    keys = ("step", "loss", "grad_norm")
+    ours = [{k: r.get(k) for k in keys} for r in records(tmp_path / "moved")]
+    assert ours == [{k: r.get(k) for k in keys} for r in records(tmp_path / "one")][2:]
+    adamw = [a for a in common if a not in ("--optimizer", "muon")]
+    assert main(["train", *adamw, "--name", "other", "--resume", half]) == 2

@@ -104,6 +104,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         self._adamw_keys = _adamw_defaults()
         self._adamw: torch.optim.AdamW | None = None
         self._plans: dict[tuple[Any, ...], Exchange] = {}
+        self._groups: dict[int, tuple[Any, Any]] = {}  # id(mesh) -> (mesh, exchange_group)
         super().__init__(params, defaults)
 
     # -- the parts a subclass defines ---------------------------------------------------------
@@ -196,7 +197,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
         by_group: dict[tuple[int, ...], tuple[Any, list[int]]] = {}
         for k, (g, p) in enumerate(matrices):
             if isinstance(p, DTensor) and dist.is_initialized():
-                key, pg = exchange_group(p)
+                # once per mesh (it reads the mesh's ranks: a host tensor)
+                mesh = p.device_mesh
+                if id(mesh) not in self._groups:
+                    self._groups[id(mesh)] = (mesh, exchange_group(p))
+                key, pg = self._groups[id(mesh)][1]
                 by_group.setdefault(key, (pg, []))[1].append(k)
             else:
                 results[k] = self.whole(g, inputs[k].to(self.wire_dtype(g, inputs[k].dtype)))
