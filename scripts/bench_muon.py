@@ -9,12 +9,15 @@ each its own unit, ``--rows`` rows of data per rank), in alternating rounds (A B
 - ``torch.optim.Muon (FSDP2)``: torch's Muon over torch FSDP2's DTensor parameters;
 - ``AdamW (fullshard)`` and ``AdamW (FSDP2)``: torch's AdamW over the same parameters.
 
-Per variant: the median over rounds of the slowest rank's optimizer step and whole step
-(forward, backward, step), in ms; what one step's collectives move (counted at the c10d
-dispatcher: calls and bytes by kind, the bytes of each op's largest buffer), what the
+Per variant: the median over rounds of the slowest rank's optimizer step (the ranks start it
+together, after a barrier) and whole step (forward, backward, barrier, step), in ms; what one step's collectives move (counted at the c10d
+dispatcher: calls and bytes by kind, the bytes of each op's largest buffer; DTensor's own
+collectives by ``CommDebugMode``, calls only), what the
 exchange sends off each rank, the Newton–Schulz FLOPs each rank runs, and the optimizer state
-per rank. Before the ranks start, this process measures one unsharded process's optimizer steps
-on the same model (one thread, as each rank). Prints a table and writes ``--out`` (JSON).
+per rank; for fullshard's Muon, the CPU time of a step and its wall time in Newton–Schulz and
+in the exchange (waits included). One unsharded process's Muon step on the same model is timed in the same rounds (rank
+0 alone, the other ranks waiting: "x 1-proc" divides by it), and before the ranks start in this
+process (one thread, as each rank). Prints a table and writes ``--out`` (JSON).
 
     python scripts/bench_muon.py --nproc 2 4 --out docs/muon_bench.json
 """
@@ -90,6 +93,30 @@ def one_process(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
+def _instrument(opt: torch.optim.Optimizer) -> dict[str, float]:
+    """Time ``opt``'s Newton–Schulz (the owner's work) and its two all-to-alls (each from
+    issue to landing: the waits for the other ranks included) in every step, into the dict
+    returned (seconds; the caller zeroes it before a step)."""
+    from fullshard.optim.exchange import Exchange
+
+    parts = {"newton_schulz": 0.0, "exchange": 0.0}
+
+    def timed(key: str, fn: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[key] += time.perf_counter() - t0
+
+        return run
+
+    whole = opt.whole  # type: ignore[attr-defined]
+    opt.whole = timed("newton_schulz", whole)  # type: ignore[attr-defined]
+    Exchange._route = timed("exchange", Exchange._route)  # type: ignore[method-assign]
+    return parts
+
+
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
     from torch.distributed.tensor import DTensor
 
@@ -106,6 +133,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     from torch.distributed.fsdp import fully_shard as fsdp2_shard
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from fullshard import fully_shard
     from fullshard.observe.c10d_counter import C10dCounter
@@ -121,32 +149,60 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: s
             shard(layer)
         shard(model)
         models[variant], opts[variant] = model, _optimizer(variant, model)
+    # one unsharded process's Muon step, in the same rounds: rank 0 alone while the others wait
+    alone = _model(args.units, args.dim)
+    alone_opt = _optimizer("torch.optim.Muon", alone)
+    for p in alone.parameters():
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(1))
+    alone_ms: list[float] = []
+    alone_cpu: list[float] = []
     opt_ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    opt_cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     whole_ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    parts = _instrument(opts["fullshard.optim.Muon"])
+    split: dict[str, list[float]] = {k: [] for k in parts}
     for r in range(args.warmup + args.rounds):
         for variant in VARIANTS:
             model, opt = models[variant], opts[variant]
             dist.barrier()
             t0 = time.perf_counter()
             model(x).square().mean().backward()
-            t1 = time.perf_counter()
+            # the ranks start the step together: its time is its own, not the backward's skew
+            dist.barrier()
+            for k in parts:
+                parts[k] = 0.0
+            c1, t1 = time.process_time(), time.perf_counter()
             opt.step()
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             opt.zero_grad()
             if r >= args.warmup:
                 opt_ms[variant].append(1e3 * (t2 - t1))
+                opt_cpu[variant].append(1e3 * (c2 - c1))
                 whole_ms[variant].append(1e3 * (t2 - t0))
+                if variant == "fullshard.optim.Muon":
+                    for k, v in parts.items():
+                        split[k].append(1e3 * v)
+        dist.barrier()
+        if rank == 0:
+            c0, t0 = time.process_time(), time.perf_counter()
+            alone_opt.step()
+            if r >= args.warmup:
+                alone_ms.append(1e3 * (time.perf_counter() - t0))
+                alone_cpu.append(1e3 * (time.process_time() - c0))
+        dist.barrier()
     figures: dict[str, dict[str, Any]] = {}
     for variant in VARIANTS:
         model, opt = models[variant], opts[variant]
         with C10dCounter(known_only=True) as fb:
             model(x).square().mean().backward()
-        with C10dCounter() as step:
+        with CommDebugMode() as dtensor, C10dCounter() as step:
             opt.step()
         opt.zero_grad()
         fig: dict[str, Any] = {
             "step_calls": dict(step.calls),
             "step_bytes": dict(step.bytes),
+            # DTensor's own collectives (functional: the c10d counter does not see them)
+            "step_dtensor_calls": {str(k): v for k, v in dtensor.get_comm_counts().items()},
             "forward_backward_bytes": dict(fb.bytes),
             "state_bytes": _state_bytes(opt),
         }
@@ -161,7 +217,15 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: s
                 exchange_sent_bytes=2 * (out_elems + back_elems),  # bf16 both ways
             )
         figures[variant] = fig
-    mine = {"opt_ms": opt_ms, "whole_ms": whole_ms, "figures": figures}
+    figures["fullshard.optim.Muon"]["step_parts_ms"] = {
+        k: statistics.median(v) for k, v in split.items()
+    }
+    for variant in VARIANTS:
+        figures[variant]["opt_step_cpu_ms"] = statistics.median(opt_cpu[variant])
+    mine = {
+        "opt_ms": opt_ms, "whole_ms": whole_ms, "figures": figures, "alone_ms": alone_ms,
+        "alone_cpu_ms": alone_cpu,
+    }  # fmt: skip
     every = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
@@ -172,8 +236,12 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: s
 
 
 def _summary(every: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per variant: the medians of the slowest rank's times, and each rank's figures."""
-    out = {}
+    """Per variant: the medians of the slowest rank's times, and each rank's figures; the
+    unsharded process's step, timed in the same rounds."""
+    out: dict[str, Any] = {
+        "one process in the rounds": statistics.median(every[0]["alone_ms"]),
+        "one process in the rounds, cpu": statistics.median(every[0]["alone_cpu_ms"]),
+    }
     for variant in VARIANTS:
         slowest_opt = [max(ms) for ms in zip(*(e["opt_ms"][variant] for e in every), strict=True)]
         slowest_whole = [
@@ -225,11 +293,16 @@ def main() -> int:
         "GFLOP in all"
     )
     for world in args.nproc:
-        table = res[str(world)]
+        table = dict(res[str(world)])
+        alone = table.pop("one process in the rounds")
+        alone_cpu = table.pop("one process in the rounds, cpu")
         adamw = table["AdamW (fullshard)"]["whole_step_ms"]
-        print(f"\n{world} ranks                        opt step   x 1-proc   whole step  x AdamW")
+        print(
+            f"\n{world} ranks (one unsharded process's Muon step in the same rounds: "
+            f"{alone:.1f} ms)\n                                 opt step   x 1-proc   whole step  x AdamW"
+        )
         for variant, row in table.items():
-            ratio = row["opt_step_ms"] / one["torch.optim.Muon step ms"]
+            ratio = row["opt_step_ms"] / alone
             print(
                 f"  {variant:30s} {row['opt_step_ms']:8.1f} ms {ratio:6.2f}x "
                 f"{row['whole_step_ms']:9.1f} ms {row['whole_step_ms'] / adamw:6.2f}x"
@@ -242,6 +315,16 @@ def main() -> int:
             + ", ".join(f"{r['exchange_sent_bytes'] / 1024:.0f}" for r in ours)
             + "; state KiB "
             + ", ".join(f"{r['state_bytes'] / 1024:.0f}" for r in ours)
+        )
+        print(
+            "  fullshard.optim.Muon per rank, median ms of a step: "
+            + "; ".join(
+                f"rank {k}: CPU {r['opt_step_cpu_ms']:.1f}, Newton-Schulz "
+                f"{r['step_parts_ms']['newton_schulz']:.1f}, exchange "
+                f"{r['step_parts_ms']['exchange']:.1f}"
+                for k, r in enumerate(ours)
+            )
+            + f" (one process: CPU {alone_cpu:.1f})"
         )
         fb = ours[0]["forward_backward_bytes"]
         print(f"  one forward+backward's collectives (rank 0, c10d bytes by kind): {fb}")

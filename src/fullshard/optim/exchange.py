@@ -124,8 +124,8 @@ def exchange_group(p: DTensor) -> tuple[tuple[int, ...], dist.ProcessGroup | Non
 
 
 def _describe(p: DTensor) -> tuple[Any, ...]:
-    """This rank's piece of ``p`` as plain data for the plan's all-gather: (shape, grad dtype
-    name, sends it?, holds it?, block or None for a strided layout)."""
+    """This rank's piece of ``p`` as plain data for the plan's all-gather: (global shape, sends
+    it?, its elements, its shape, its block's offset or None for a strided layout)."""
     placements = tuple(p.placements)
     if any(not isinstance(x, (Shard, _StridedShard, Replicate)) for x in placements):
         raise FullshardError(

@@ -1,7 +1,7 @@
 """What one rank trains with, built from scratch: its data (once per process), the sharded
-model, its optimizer (AdamW, or Muon with AdamW groups) and schedule in the train state, and the step's batches and decider
-(``fullshard train``; ``--elastic`` builds the model and what follows again for each new
-membership)."""
+model, its optimizer (AdamW, or Muon with AdamW groups) and schedule in the train state, and
+the step's batches and decider (``fullshard train``; ``--elastic`` builds the model and what
+follows again for each new membership)."""
 
 from __future__ import annotations
 
