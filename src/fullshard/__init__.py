@@ -108,7 +108,7 @@ _SOURCES = {
 }
 # The eager file made these attributes as a side effect of its imports (``import fullshard;
 # fullshard.engine.api``); keep that working for the subpackages and modules it loaded.
-_SUBMODULES = frozenset({"checkpoint", "engine", "policies"})
+_SUBMODULES = frozenset({"checkpoint", "engine", "optim", "policies"})
 
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _SOURCES, submodules=_SUBMODULES)

@@ -42,6 +42,7 @@ __all__ = [
 MIXED_PRECISION = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")  # --optimizer-impl (app/train/build.py)
+OPTIMIZERS = ("adamw", "muon")  # --optimizer (app/train/build.py)
 BACKENDS = ("auto", "nccl", "gloo")  # --backend; fullshard.app.launch.local resolves them
 CONFIG_ENV = "FULLSHARD_TRAIN_CONFIG"  # the validated config a launcher hands its ranks (JSON)
 
@@ -129,6 +130,14 @@ class TrainConfig:
         "synchronisation per step)",
         group="optimisation",
         choices=OPTIMIZER_IMPLS,
+    )
+    optimizer: str = _opt(
+        "adamw",
+        "adamw, or muon: fullshard.optim.Muon for the blocks' weight matrices (each matrix's "
+        "Newton-Schulz on one rank; --lr and --weight-decay as AdamW's, adjusted to AdamW's "
+        "update size), AdamW (--optimizer-impl) for embeddings, head, norms and biases",
+        group="optimisation",
+        choices=OPTIMIZERS,
     )
     seed: int = _opt(1234, "seed for weights, data order and sampling", group="optimisation")
     # sharding

@@ -462,6 +462,39 @@ def all_reduce(
     )
 
 
+def all_to_all(
+    out: torch.Tensor,
+    send: torch.Tensor,
+    out_splits: list[int],
+    send_splits: list[int],
+    group: dist.ProcessGroup | None,
+    *,
+    what: str,
+    timeout: timedelta,
+    stats: CommStats | None = None,
+) -> Pending:
+    """Start ``all_to_all_single(out, send, out_splits, send_splits)`` asynchronously: block
+    ``r`` of ``send`` (``send_splits[r]`` elements) goes to rank ``r``, and block ``r`` of
+    ``out`` comes from it (``fullshard.optim``'s matrices to their owners and back). Counted as
+    the larger of the two buffers, as the c10d counter does."""
+    return _issue(
+        "all_to_all",
+        lambda: dist.all_to_all_single(
+            out, send, out_splits, send_splits, group=group, async_op=True
+        ),
+        send,
+        max(out.numel(), send.numel()) * out.element_size(),
+        stats=stats,
+        what=what,
+        unit="",
+        timeout=timeout,
+        group=group,
+        position=None,
+        reads=[send],
+        writes=[out],
+    )
+
+
 def broadcast(
     tensor: torch.Tensor,
     src: int,

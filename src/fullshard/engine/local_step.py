@@ -15,11 +15,15 @@ parameter over the same local tensor (its gradient and state likewise), and the 
 them back, wrapping any state the step created as DTensors of the parameter's layout. Outside
 ``step()`` everything is as FSDP2 promises: parameters, gradients and optimizer state are
 DTensors, so DCP state dicts and ``full_tensor()`` work. Optimizers that are not elementwise
-(LBFGS, Muon, anything not listed) step over the DTensors, untouched.
+(LBFGS, Muon, anything not listed) step over the DTensors, untouched. ``torch.optim.Muon``
+works so, every rank running every matrix's Newton–Schulz through DTensor, and says once, in
+a warning, that ``fullshard.optim.Muon`` splits that work over the ranks (NOTE [Matrices on
+owners]).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -53,6 +57,7 @@ class _LocalSteps:
         self._swapped: dict[int, list[tuple[torch.Tensor, nn.Parameter, dict[str, Any]]]] = {}
         self.enabled = True
         self._handles: list[Any] = []
+        self._told_muon = False
 
     def install(self) -> None:
         if not self._handles:
@@ -62,6 +67,8 @@ class _LocalSteps:
             ]
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if type(opt) is getattr(torch.optim, "Muon", None) and not self._told_muon:
+            self._tell_muon(opt)
         if not self.enabled or type(opt) not in ELEMENTWISE:
             return
         swapped = []
@@ -82,6 +89,19 @@ class _LocalSteps:
                 swapped.append((p, q, before))
         if swapped:
             self._swapped[id(opt)] = swapped
+
+    def _tell_muon(self, opt: torch.optim.Optimizer) -> None:
+        """Once per process, when ``torch.optim.Muon`` holds fullshard's parameters."""
+        if any(hasattr(p, "_fullshard_local") for g in opt.param_groups for p in g["params"]):
+            self._told_muon = True
+            warnings.warn(
+                "torch.optim.Muon over fullshard's sharded parameters runs every matrix's "
+                "Newton-Schulz through DTensor on every rank. fullshard.optim.Muon takes the "
+                "same arguments (and AdamW groups: fullshard.optim.matrix_groups(model)) and "
+                "runs each matrix's on one rank, with the same result.",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         swapped = self._swapped.pop(id(opt), None)

@@ -448,6 +448,14 @@ def _check_resume(cfg: TrainConfig) -> None:
             f"--resume {cfg.resume}: checkpoint {folder} is damaged: {problem}. Nothing was "
             "changed: resume from an earlier checkpoint (--resume PATH), or drop --resume"
         )
+    from fullshard.checkpoint.store import read_manifest
+
+    saved = read_manifest(folder).get("optimizer", "adamw")  # (older checkpoints: AdamW)
+    if saved != cfg.optimizer:
+        raise ConfigError(
+            f"--resume {cfg.resume}: checkpoint {folder} holds {saved}'s optimizer state, and "
+            f"this run asks for --optimizer {cfg.optimizer}: resume with --optimizer {saved}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------

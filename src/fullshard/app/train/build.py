@@ -1,7 +1,7 @@
 """What one rank trains with, built from scratch: its data (once per process), the sharded
-model, its AdamW and schedule in the train state, and the step's batches and decider
-(``fullshard train``; ``--elastic`` builds the model and what follows again for each new
-membership)."""
+model, its optimizer (AdamW, or Muon with AdamW groups) and schedule in the train state, and
+the step's batches and decider (``fullshard train``; ``--elastic`` builds the model and what
+follows again for each new membership)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ __all__ = [
     "Built",
     "RankData",
     "adamw_implementation",
+    "build_optimizer",
     "build_rank",
     "lr_lambda",
     "param_groups",
@@ -53,6 +54,28 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, on_device: bool) -> torch.optim.Optimizer:
+    """``--optimizer``: AdamW over :func:`param_groups`, or ``fullshard.optim.Muon`` for the
+    hidden weight matrices (``adjust_lr_fn="match_rms_adamw"``: Moonlight's scaling, under
+    which AdamW's ``--lr`` and ``--weight-decay`` carry over) with AdamW groups, the same
+    ``--optimizer-impl``, for the rest (embeddings, head, norms, biases)."""
+    impl = adamw_implementation(cfg.optimizer_impl, on_device)
+    if cfg.optimizer == "adamw":
+        groups = param_groups(model, cfg.weight_decay)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
+    from fullshard.optim import Muon, matrix_groups
+
+    matrices = {id(p) for g in matrix_groups(model) if g["use_muon"] for p in g["params"]}
+    groups = [{"params": [p for p in model.parameters() if id(p) in matrices], "use_muon": True}]
+    groups = [g for g in groups if g["params"]]
+    for g in param_groups(model, cfg.weight_decay):
+        rest = [p for p in g["params"] if id(p) not in matrices]
+        if rest:
+            adamw = {"use_muon": False, "betas": (cfg.beta1, cfg.beta2), **impl}
+            groups.append({**g, "params": rest, **adamw})
+    return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -151,18 +174,15 @@ def build_rank(
     # host waits for the gradients there anyway, and decides the step itself
     # Only fused AdamW takes found_inf, so a GPU run with --optimizer-impl for-loop or foreach
     # has the host decide
+    # (Muon's steps are the host's: its Newton-Schulz takes no found_inf)
     on_device = (
         cuda_semantics(device)
+        and cfg.optimizer == "adamw"
         and cfg.optimizer_impl in ("auto", "fused")
         and fused_adamw_available(device)
         and not cfg.cpu_offload
     )
-    opt = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        **adamw_implementation(cfg.optimizer_impl, on_device),
-    )
+    opt = build_optimizer(model, cfg, on_device)
 
     def multiplier(step: int) -> float:
         return lr_lambda(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)

@@ -170,7 +170,9 @@ class TrainCheckpoints:
     def save(self, step: int) -> str:
         """Checkpoint after ``step`` optimizer steps (committed atomically)."""
         self.last_saved = step
-        meta = {"world_size": control.world_size()}
+        # (--optimizer: a resume with the other one is refused before launch, validate.py)
+        optimizer = type(self.state.optimizer).__name__.lower()
+        meta = {"world_size": control.world_size(), "optimizer": optimizer}
         return self.manager.save(step, self.state.state_dict(), meta=meta)
 
     def wait(self) -> None:
