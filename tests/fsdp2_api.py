@@ -851,28 +851,29 @@ def c_separate_reduce_scatter_group(rank: int, world: int, api: Any) -> dict:
 
 
 class _Groups(C10dCounter):
-    """The process groups each kind of collective ran on (by name)."""
+    """The process groups (by name) the all-gathers and the reduce-scatters ran on."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.by_kind: dict[str, set[str]] = {}
+        self.groups: dict[str, set[str]] = {"gather": set(), "reduce": set()}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace == "c10d":
+            op = func._opname
+            kind_ = (
+                "gather"
+                if "allgather" in op
+                else "reduce"
+                if "scatter" in op or "alltoall" in op
+                else ""
+            )
             for a in args:
-                name = getattr(a, "group_name", None)
-                if isinstance(name, str):
-                    kind_ = (
-                        "rs"
-                        if "reduce_scatter" in func._opname or "alltoall" in func._opname
-                        else func._opname
-                    )
-                    self.by_kind.setdefault(kind_, set()).add(name)
+                if kind_ and isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a):
+                    self.groups[kind_].add(dist.ProcessGroup.unbox(a).group_name)  # boxed
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def separate(self) -> bool:
-        gathers = {g for k, v in self.by_kind.items() if "allgather" in k for g in v}
-        return bool(self.by_kind.get("rs")) and not (self.by_kind["rs"] & gathers)
+        return bool(self.groups["reduce"]) and not (self.groups["reduce"] & self.groups["gather"])
 
 
 class _Embedded(nn.Module):
@@ -969,11 +970,45 @@ def c_manual_finalization(rank: int, world: int, api: Any) -> dict:
     out["grads"] = grads(model)
     out["vs_one_process"] = max_diff(out["grads"], ref_grads(ref, world, (0, 1))) <= 1e-12
     out["in_backward"] = _set_in_backward(model)
+    out["left_gathered"] = _left_gathered(rank, api)
     model.set_manual_backward_finalization(False)
     model.zero_grad(set_to_none=True)
     out["sync finalize"] = repr(model.finalize_backward())
     step(model, rank, world, 2)
     out["next step"] = max_diff(grads(model), ref_grads(ref, world, (2,))) <= 1e-12
+    return out
+
+
+class _Side(nn.Module):
+    """A block whose output the loss does not use (its backward never runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main, self.side = Blk(0), Blk(400)
+        self.head = nn.Linear(D, V, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.side(x)
+        return self.head(self.main(x))
+
+
+def _left_gathered(rank: int, api: Any) -> dict[str, tuple[bool, bool]]:
+    """A unit kept gathered after forward (reshard_after_forward=False) that no backward
+    reaches: whether it is sharded after the backward, and after finalize_backward. A
+    backward's end reshards it; under manual finalization it waits for finalize_backward."""
+    out = {}
+    for manual in (False, True):
+        torch.manual_seed(0)
+        m = _Side()
+        api.fully_shard(m.main)
+        api.fully_shard(m.side, reshard_after_forward=False)
+        api.fully_shard(m)
+        m.set_manual_backward_finalization(manual)
+        x = torch.randn(3, D, generator=torch.Generator().manual_seed(rank))
+        m(x).square().mean().backward()
+        after = isinstance(m.side.lin.weight, DTensor)
+        m.finalize_backward()
+        out[str(manual)] = (after, isinstance(m.side.lin.weight, DTensor))
     return out
 
 

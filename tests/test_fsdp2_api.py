@@ -78,6 +78,8 @@ def _fullshard_as_2_15_documents(case: str, r: dict) -> None:
         assert r["rs_per_unit"] == ["RS b0", "RS b1", "RS b2", "RS root"], r["rs_per_unit"]
         assert all(r["after"].values()) and r["vs_one_process"] and r["next step"], r
         assert r["in_backward"] == "RuntimeError" and r["sync finalize"] == "None", r
+        # a unit no backward reached stays gathered until finalize_backward, only under it
+        assert r["left_gathered"] == {"False": (True, True), "True": (False, True)}, r
     elif case == "keep_unsharded_storage":
         assert r["True"]["kept"] and r["True"]["same_address"], r["True"]
         assert not r["False"]["kept"], r["False"]  # freed by default
