@@ -59,6 +59,12 @@ CONFIGS: dict[str, tuple[dict[str, Any], int]] = {
     # are left gathered when they thaw
     "freeze_unfreeze": ({"freeze": True}, 1),
     "freeze_schedule_no_root": ({"freeze": True, "no_root": True}, 1),
+    # FSDP2's knobs on the CUDA path: every micro-batch reduced but only the last is the last
+    # backward (the waits move to the next), two reduce-scatters in flight, the all-reduce hook
+    # under force-sum (divided after the hook, on the reduce stream), the gathered storage kept
+    "api_knobs": ({"knobs": True, "sync_each": True, "flow": "not_last"}, 3),
+    # torch 2.15's manual finalization: micro-batches without sync, one finalize_backward
+    "manual_finalization": ({"knobs": True, "flow": "manual"}, 3),
 }
 
 
@@ -69,6 +75,8 @@ def _build(world: int, kw: dict[str, Any]) -> Net:
     kw.pop("checkpoint", None)
     kw.pop("sync_each", None)
     kw.pop("freeze", None)
+    kw.pop("flow", None)
+    knobs = kw.pop("knobs", False)
     fixed = kw.pop("fixed_order", False)
     if kw.pop("no_root", False):
         for m in (model.embed, *model.blocks, model.norm, model.head):
@@ -94,6 +102,13 @@ def _build(world: int, kw: dict[str, Any]) -> Net:
         fully_shard(b, mesh=mesh, **kw)
     kw.pop("reshard_after_forward", None)
     fully_shard(model, mesh=mesh, **kw)
+    if knobs:
+        model.set_reduce_scatter_max_input_buffers(2)
+        model.set_keep_unsharded_storage(True)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+                m.set_all_reduce_hook(lambda t: t.mul_(0.5))
     if fixed:
         from fullshard import deterministic
 
@@ -143,6 +158,7 @@ def _train(
     tp: bool = False,
     sync_each: bool = False,
     freeze: bool = False,
+    flow: str = "",
 ) -> list[int]:
     """``steps`` steps; the host synchronisations counted in each (under ``emu``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -169,10 +185,16 @@ def _train(
         if freeze:  # on what the modules show, and on the optimizer's parameters
             for n, p in (dict(model.named_parameters()) if step % 2 else held).items():
                 p.requires_grad_(n not in pattern[step])
+        if flow == "manual":
+            model.set_manual_backward_finalization(True)
         for k in range(micro):
             last = k == micro - 1
             for m in _fsdp_modules(model):
-                m.set_requires_gradient_sync(last or sync_each, recurse=False)
+                m.set_requires_gradient_sync(
+                    flow != "manual" and (last or sync_each), recurse=False
+                )
+            if flow == "not_last":
+                model.set_is_last_backward(last)
             loss = loss_of(model, data[step * micro + k][rank])
             if not loss.requires_grad:
                 continue  # the schedule froze everything this step
@@ -181,6 +203,9 @@ def _train(
             else:
                 (loss / (micro * world)).backward()
                 tree.push()
+        if flow == "manual":
+            model.set_requires_gradient_sync(True)
+            model.finalize_backward(async_op=True).wait()
         if tree is not None:
             from fullshard import deterministic
 
@@ -213,10 +238,10 @@ def run_config(
     """``name`` of ``CONFIGS`` plainly and under the emulation (with ``mutation`` applied)."""
     kw, micro = CONFIGS[name]
     tp, ckpt, each = kw.get("tp", False), kw.get("checkpoint", False), kw.get("sync_each", False)
-    freeze = kw.get("freeze", False)
+    freeze, flow = kw.get("freeze", False), kw.get("flow", "")
     steps = 6 if freeze else steps
     plain = _build(world, kw)
-    _train(plain, rank, world, micro, steps, None, tp, each, freeze)
+    _train(plain, rank, world, micro, steps, None, tp, each, freeze, flow)
     if ckpt:
         plain = _reloaded(plain, world, kw, rank, "plain")
         _train(plain, rank, world, micro, 1, None, tp)
@@ -228,7 +253,7 @@ def run_config(
                 probe = emu.owned["probe"] = AllReduceProbe(emu)
                 model = _build(world, kw)
                 with probe.watching():
-                    counts = _train(model, rank, world, micro, steps, emu, tp, each, freeze)
+                    counts = _train(model, rank, world, micro, steps, emu, tp, each, freeze, flow)
                     if ckpt:
                         model = _reloaded(model, world, kw, rank, "emulated")
                         _train(model, rank, world, micro, 1, None, tp)
@@ -289,8 +314,8 @@ def _defect1() -> contextlib.AbstractContextManager[None]:
     """Offloaded gradients cast on the host from the pinned buffer the GPU is still writing."""
     from fullshard.engine.unit import CommUnit
 
-    def set_grads(self: Any, shard: torch.Tensor, present: list[bool]) -> None:
-        factor = self.divide_factor or self.mesh.data_parallel_size
+    def set_grads(self: Any, shard: torch.Tensor, present: list[bool], divided: float) -> None:
+        factor = (self.divide_factor or self.mesh.data_parallel_size) / divided
         if factor != 1:
             shard.div_(factor)
         if self.offload:

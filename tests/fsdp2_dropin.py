@@ -224,6 +224,27 @@ def _non_contiguous_parameter(rank: int, world: int, impl: str) -> dict:
     return {"diff": diff, "as_documented": impl == "fullshard"}
 
 
+def _unnamed_2d_mesh(rank: int, world: int, impl: str) -> dict:
+    """A 2-D mesh without dim names: FSDP2 refuses it (AssertionError: its code slices the
+    mesh by name); fullshard reads a 2-D mesh by position, (replicate, shard), and trains HSDP
+    on it with the same bits as on the same mesh named, and as one process. Each import as
+    documented (test_2d_mesh_without_mesh_dim_names is the upstream test of the refusal)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    got = {}
+    for named in (True, False):
+        names = ("replicate", "shard") if named else None
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=names)
+        ref, model = _setup()
+        try:
+            shard(model, impl, mesh=mesh)
+        except AssertionError:
+            return {"diff": 0.0, "as_documented": impl == "torch" and not named}
+        got[named] = (_train_against(model, ref, rank, world), dict(model.named_parameters()))
+    same = max_diff(got[True][1], got[False][1]) == 0.0
+    return {"diff": got[False][0], "as_documented": impl == "fullshard", "same_bits": same}
+
+
 def _state_accessor(rank: int, world: int, impl: str) -> dict:
     """``fully_shard.state(module)`` returns the module's FSDP state object (not None)."""
     api = api_of(impl)
@@ -240,6 +261,7 @@ CASES: dict[str, Callable[[int, int, str], dict]] = {
     "FSDP2's error types": _error_types,
     "fully_shard.state(module)": _state_accessor,
     "a non-contiguous parameter: refused by FSDP2, trained by fullshard": _non_contiguous_parameter,
+    "a 2-D mesh without names: refused by FSDP2, trained by fullshard": _unnamed_2d_mesh,
     "functorch jvp through a unit's first forward": _jvp_without_warmup,
     "one ignored_params set for the whole model": _ignored_set_for_the_whole_model,
 }

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers and IDEs
     )
     from fullshard.engine.api import (
         FSDPModule,
+        GradientReductionHandle,
         UnshardHandle,
         fully_shard,
         register_fsdp_forward_method,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers and IDEs
     )
     from fullshard.policies import (
         CPUOffloadPolicy,
+        DataParallelMeshDims,
         FullshardError,
         MixedPrecisionPolicy,
         OffloadPolicy,
@@ -49,8 +51,10 @@ if TYPE_CHECKING:  # the real imports, for type checkers and IDEs
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FullshardError",
+    "GradientReductionHandle",
     "Installed",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -83,6 +87,7 @@ _SOURCES = {
     "get_state_dict": "fullshard.checkpoint.state_dict",
     "set_state_dict": "fullshard.checkpoint.state_dict",
     "FSDPModule": "fullshard.engine.api",
+    "GradientReductionHandle": "fullshard.engine.api",
     "UnshardHandle": "fullshard.engine.api",
     "fully_shard": "fullshard.engine.api",
     "register_fsdp_forward_method": "fullshard.engine.api",
@@ -101,6 +106,7 @@ _SOURCES = {
     "subscribe": "fullshard.engine.sharding",
     "units": "fullshard.engine.sharding",
     "CPUOffloadPolicy": "fullshard.policies",
+    "DataParallelMeshDims": "fullshard.policies",
     "FullshardError": "fullshard.policies",
     "MixedPrecisionPolicy": "fullshard.policies",
     "OffloadPolicy": "fullshard.policies",

@@ -139,3 +139,30 @@ def test_checkpointed_blocks_reuse_the_backward_gather(fake_pg: tuple[int, int])
     assert [(e.kind, e.unit, e.phase) for e in recomputed] == [
         (e.kind, e.unit, e.phase) for e in plain
     ]
+
+
+def test_max_input_buffers_lets_that_many_reduce_scatters_be_in_flight(fake_pg: tuple) -> None:
+    # set_reduce_scatter_max_input_buffers(k): when a unit's backward ends, up to k earlier
+    # reduce-scatters may still be in flight (packed inputs held); the default finishes the
+    # previous one before the next is issued
+    import fullshard
+    from fullshard import FSDPModule
+
+    for k in (1, 2, 3):
+        model = shard_toy(ToyLM())
+        if k > 1:
+            model.set_reduce_scatter_max_input_buffers(k)
+        units = [m._fullshard_state.unit for m in model.modules() if isinstance(m, FSDPModule)]
+        in_flight: list[int] = []
+
+        def count(
+            point: fullshard.Point, unit: object, units: list = units, in_flight: list = in_flight
+        ) -> None:
+            if point is fullshard.Point.BACKWARD_END:
+                in_flight.append(sum(u.reduce_in_flight is not None for u in units))
+
+        toy_steps(model, 1)  # the schedule exists from the root's first forward
+        fullshard.subscribe(model, count)
+        toy_steps(model, 1)
+        # 4 units, the root first in backward: at most min(k, units before) in flight
+        assert max(in_flight) == min(k, 3), (k, in_flight)

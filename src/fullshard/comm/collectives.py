@@ -539,6 +539,11 @@ class Comm:
     fixed_order: bool = False
     # NOTE [Interrupts]: its waits' way out under live recovery (its group's, taken when built)
     interrupt: Interrupt | None = None
+    # FSDP2's set_separate_reduce_scatter_group: a group of its own over the same ranks
+    reduce_group: dist.ProcessGroup | None = None
+    # FSDP2's set_allocate_memory_from_process_group_for_comm: output buffers from the
+    # group's own allocator where its backend has one (NCCL), else ordinary ones
+    allocate_from_group: bool = False
 
     def __post_init__(self) -> None:
         if self.interrupt is None:
@@ -551,12 +556,22 @@ class Comm:
         """The all-gather output (from the custom comm's allocator when there is one)."""
         if self.custom_all_gather is not None:
             return self.custom_all_gather.allocate((numel,), dtype=dtype, device=device)  # type: ignore[no-any-return]
-        return torch.empty(numel, dtype=dtype, device=device)
+        return self._empty(self.group, numel, dtype, device)
 
     def reduce_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The reduce-scatter output (from the custom comm's allocator when there is one)."""
         if self.custom_reduce_scatter is not None:
             return self.custom_reduce_scatter.allocate((numel,), dtype=dtype, device=device)  # type: ignore[no-any-return]
+        return self._empty(self.reduce_group or self.group, numel, dtype, device)
+
+    def _empty(
+        self, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        if self.allocate_from_group:
+            backend = group._get_backend(device)
+            # torch >= 2.8 backends say whether they allocate (NCCL's memory pool); gloo does not
+            if getattr(backend, "supports_tensor_alloc", lambda d: False)(device):
+                return backend.allocate_tensor(numel, dtype=dtype, device=device)  # type: ignore[no-any-return]
         return torch.empty(numel, dtype=dtype, device=device)
 
     def all_gather(self, out: torch.Tensor, send: torch.Tensor, pos: Position) -> Pending:
@@ -574,16 +589,17 @@ class Comm:
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, pos: Position) -> Pending:
         what = f"reduce-scatter of unit '{self.unit}'"
         custom = self.custom_reduce_scatter
+        group = self.reduce_group or self.group
         if custom is None:
             return reduce_scatter(
-                out, full, self.group, position=pos, fixed_order=self.fixed_order,
+                out, full, group, position=pos, fixed_order=self.fixed_order,
                 **self._bound(what),
             )  # fmt: skip
         op = dist.ReduceOp.SUM
-        work_fn = lambda: custom(out, full.view(-1), self.group, op, async_op=True)  # noqa: E731
+        work_fn = lambda: custom(out, full.view(-1), group, op, async_op=True)  # noqa: E731
         nbytes = full.numel() * full.element_size()
         return _issue(
-            "reduce_scatter", work_fn, full, nbytes, group=self.group, position=pos,
+            "reduce_scatter", work_fn, full, nbytes, group=group, position=pos,
             reads=[full], writes=[out], **self._bound(what),
         )  # fmt: skip
 

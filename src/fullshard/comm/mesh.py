@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fullshard.comm.device import accepted_devices, check_device
-from fullshard.policies import FullshardError, FullshardValueError
+from fullshard.policies import FullshardError, FullshardValueError, fsdp2_words
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -67,6 +67,16 @@ class MeshInfo:
         group = sub.get_group("post_forward")
         return group, dist.get_rank(group)
 
+    def separate_group(self, made: dict[tuple[int, ...], dist.ProcessGroup]) -> dist.ProcessGroup:
+        """A new process group over this shard group's ranks, for the reduce-scatter to run
+        beside the all-gathers (``set_separate_reduce_scatter_group``); ``made`` holds those
+        already created in this call, by ranks, so units over the same ranks share one. The
+        ranks of the group must all call it (``use_local_synchronization``)."""
+        ranks = tuple(dist.get_process_group_ranks(self.group))
+        if ranks not in made:
+            made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        return made[ranks]
+
     @property
     def data_parallel_size(self) -> int:
         """How many ranks see different data: gradients are averaged over this many."""
@@ -110,8 +120,11 @@ def mesh_info(
         return MeshInfo(group, dist.get_rank(group), dist.get_world_size(group), device)
     if mesh.ndim not in (1, 2):
         raise FullshardValueError(
-            f"fully_shard got a {mesh.ndim}-D DeviceMesh; pass a 1-D mesh (shard) or a 2-D mesh "
-            "(replicate, shard) for hybrid sharding."
+            fsdp2_words(
+                f"fully_shard got a {mesh.ndim}-D DeviceMesh; pass a 1-D mesh (shard) or a 2-D "
+                "mesh (replicate, shard) for hybrid sharding.",
+                f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}",
+            )
         )
     device = torch.device(mesh.device_type)
     if device.type == "cuda":

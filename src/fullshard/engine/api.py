@@ -29,6 +29,7 @@ from fullshard.engine.cpu_rng import install_cpu_shard_rng
 from fullshard.engine.fsdp2_interop import register_state_with_torch
 from fullshard.engine.fsdp_module import (
     FSDPModule,
+    GradientReductionHandle,
     UnshardHandle,
     fsdp_class,
     register_fsdp_forward_method,
@@ -155,6 +156,10 @@ def fully_shard(
         ShardedParam(f.fqns, f.refs, i, t.shape, f.param.requires_grad, info, f.owners, spec, d)
         for i, (f, t, spec, d) in enumerate(zip(found, local, tp, dims, strict=True))
     ]
+    if mp_policy.param_dtype_override_fn is not None:  # torch 2.15's, once per parameter
+        for sp, f in zip(params, found, strict=True):
+            own = mp_policy.for_param(f.param).param_dtype
+            sp.keeps_dtype = own is not None and own != mp_policy.param_dtype
     unit = CommUnit(
         type(modules[0]).__name__,
         modules[0],
@@ -201,6 +206,8 @@ def _our_policies(mp: Any, offload: Any) -> tuple[MixedPrecisionPolicy, OffloadP
             reduce_dtype=mp.reduce_dtype,
             output_dtype=mp.output_dtype,
             cast_forward_inputs=mp.cast_forward_inputs,
+            # torch 2.15's per-parameter override (torchtitan passes it on every call)
+            param_dtype_override_fn=getattr(mp, "param_dtype_override_fn", None),
         )
     if offload is not None and not isinstance(offload, OffloadPolicy):
         if hasattr(offload, "pin_memory"):  # torch's CPUOffloadPolicy
@@ -220,6 +227,7 @@ fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 __all__ = [
     "FSDPModule",
+    "GradientReductionHandle",
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",

@@ -38,6 +38,7 @@ from fullshard.policies import (
     FullshardAssertionError,
     FullshardError,
     FullshardValueError,
+    fsdp2_words,
 )
 
 if TYPE_CHECKING:
@@ -189,13 +190,22 @@ def check_modules(modules: list[nn.Module]) -> None:
     for m in modules:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise FullshardValueError(  # a container: nothing would ever run its hooks
-                f"fully_shard got a {type(m).__name__}, which has no forward of its own, so its "
-                "parameters would never be gathered; pass the modules it holds (one call each, "
-                "or as one list: fully_shard(list(container))), or its parent."
+                fsdp2_words(
+                    f"fully_shard got a {type(m).__name__}, which has no forward of its own, so "
+                    "its parameters would never be gathered; pass the modules it holds (one "
+                    "call each, or as one list: fully_shard(list(container))), or its parent.",
+                    "fully_shard does not support containers that do not implement forward: "
+                    f"{type(m).__name__}",
+                )
             )
         if isinstance(m, FSDPModule):
             raise FullshardAssertionError(
-                f"module {type(m).__name__} was already passed to fully_shard; wrap each module once."
+                fsdp2_words(
+                    f"module {type(m).__name__} was already passed to fully_shard; wrap each "
+                    "module once.",
+                    "Each distinct composable distributed API can only be applied to a module "
+                    "once.",
+                )
             )
     for i, a in enumerate(modules):
         for j, b in enumerate(modules):
@@ -255,8 +265,12 @@ def check_params(
         check_subclass(p, fqn, unit_name)  # first: a lazy parameter has no dim()
         if p.dim() == 0:
             raise FullshardValueError(
-                f"parameter '{fqn}' of {unit_name} is 0-dim; fullshard shards along dim 0. "
-                "Make it shape (1,) (e.g. nn.Parameter(t.reshape(1))) before fully_shard."
+                fsdp2_words(
+                    f"parameter '{fqn}' of {unit_name} is 0-dim; fullshard shards along dim 0. "
+                    "Make it shape (1,) (e.g. nn.Parameter(t.reshape(1))) before fully_shard.",
+                    "fully_shard doesn't support scalar parameters. "
+                    f"Change {fqn} to a 1D tensor with numel equal to 1.",
+                )
             )
         if not (p.is_floating_point() or p.is_complex()):
             raise FullshardError(

@@ -9,34 +9,55 @@ cycle.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from fullshard.engine.fsdp2_interop import TORCH_FSDP_MODULE
 from fullshard.engine.hooks import FSDPState, outside_compile
+from fullshard.engine.schedule import StepSchedule
 from fullshard.engine.unit import CommUnit
 from fullshard.engine.unit_parts import refuse_narrow_fixed_order
 from fullshard.policies import (
     FullshardAssertionError,
     FullshardError,
+    FullshardTypeError,
     FullshardValueError,
     Phase,
+    fsdp2_exact,
+    fsdp2_words,
 )
 
 
 class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the gather."""
+    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the gather.
+    ``UnshardHandle()`` (no unit, as FSDP2's base class) waits for nothing."""
 
-    def __init__(self, unit: CommUnit | None) -> None:
+    def __init__(self, unit: CommUnit | None = None) -> None:
         self._unit = unit
 
     def wait(self) -> None:
         if self._unit is not None:
             self._unit.wait_for_unshard(Phase.IDLE)
             self._unit = None
+
+
+class GradientReductionHandle:
+    """Returned by ``FSDPModule.finalize_backward(async_op=True)`` (torch 2.15's): the
+    gradient reductions it started are in flight; ``wait()`` finishes them (``.grad`` is then
+    set, gathered units resharded as asked) before the optimizer step or the next forward.
+    ``wait()`` twice, or on a handle built without a schedule, does nothing."""
+
+    def __init__(self, schedule: StepSchedule | None = None) -> None:
+        self._schedule = schedule
+
+    def wait(self) -> None:
+        if self._schedule is not None:
+            schedule, self._schedule = self._schedule, None
+            schedule.finalize()
 
 
 class FSDPModule:
@@ -54,9 +75,12 @@ class FSDPModule:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise FullshardAssertionError(
-            "a module passed to fully_shard cannot be deep-copied (its parameters are shards of "
-            "one flat buffer per unit, as in FSDP2); copy the model before fully_shard, or move "
-            "weights with state_dict()/load_state_dict()."
+            fsdp2_words(
+                "a module passed to fully_shard cannot be deep-copied (its parameters are shards "
+                "of one flat buffer per unit, as in FSDP2); copy the model before fully_shard, "
+                "or move weights with state_dict()/load_state_dict().",
+                "FSDP does not support deepcopy. Please use state dict for serialization.",
+            )
         )
 
     @outside_compile  # NOTE [Hooks run outside torch.compile]
@@ -103,9 +127,22 @@ class FSDPModule:
             unit.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether to free gathered parameters after forward (FULL_SHARD) or keep them (ZeRO-2)."""
+        """Whether to free gathered parameters after forward (FULL_SHARD) or keep them (ZeRO-2).
+        A bool only (``ValueError`` otherwise, as FSDP2); it replaces an int given to
+        ``fully_shard`` (``True`` then reshards over the whole group)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise FullshardValueError(
+                fsdp2_words(
+                    f"set_reshard_after_forward takes True or False, not "
+                    f"{reshard_after_forward!r}; an int (resharding to a smaller group) is "
+                    "given to fully_shard(reshard_after_forward=...) only.",
+                    f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}",
+                )
+            )
         for unit in self._units(recurse):
             unit.reshard_after_forward = reshard_after_forward
+            unit.post_forward = None  # FSDP2: the bool replaces the post-forward group
+            unit.post_forward_shard = None
 
     def set_optional(self, optional: bool = True) -> None:
         """Declare that some ranks may skip this unit in a step (an image encoder where only
@@ -152,16 +189,161 @@ class FSDPModule:
         unit.comm.fixed_order = True
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
+        """FSDP2's older name of :meth:`set_gradient_divide_factor`, deprecated there: the same
+        ``DeprecationWarning`` here."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """FSDP2's: let the collectives reduce with ``SUM`` only, dividing separately.
+        fullshard's collectives always sum (gloo has no average; the division by the
+        data-parallel size follows the sum, NOTE [Dividing the sum]), so the wire does not
+        change. What changes is what :meth:`set_all_reduce_hook` receives, as in FSDP2: the
+        plain sum (fp16/fp64: divided by FSDP2's pre-factor) instead of the average."""
+        self._fullshard_state.unit.force_sum_reduction = enable
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """FSDP2's: reduce zeros for the trainable parameters a backward did not reach, so
+        every one gets a gradient. fullshard always sends zeros for them (its collectives pair
+        whatever each rank used: NOTE [Which gradients exist]); ``True`` also gives ``.grad``
+        (zero where no rank used it) to every trainable parameter, as FSDP2 does, where
+        ``False`` (the default) leaves it None where no rank used it."""
+        for unit in self._units(recurse):
+            unit.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """FSDP2's: how many reduce-scatters may be in flight at once, each holding its packed
+        input (default 1). More lets backward's compute go on instead of waiting for the
+        previous reduce-scatter before packing the next unit's gradients (CUDA: the stream
+        wait; gloo: the host wait), for the memory of the packed inputs held. ``TypeError``
+        for a non-int (a bool included), ``ValueError`` below 1, as FSDP2."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise FullshardTypeError(
+                "max_input_buffers must be an int, got " + type(max_input_buffers).__name__
+            )
+        if max_input_buffers < 1:
+            raise FullshardValueError(
+                fsdp2_words(
+                    "set_reduce_scatter_max_input_buffers needs at least 1 (one reduce-scatter "
+                    "in flight is the default).",
+                    f"max_input_buffers must be a positive int, got {max_input_buffers}",
+                )
+            )
+        for unit in self._units(recurse):
+            unit.max_reduces_in_flight = max_input_buffers
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """FSDP2's: reduce-scatter on a process group of its own over the same ranks, so that
+        it can progress beside backward's all-gathers (one communicator runs one collective at
+        a time; gloo too). Creating the group is collective: call it on every rank of the
+        units' groups, alike. Units that shard over the same ranks share one new group per
+        call; ``False`` goes back to the shard group."""
+        made: dict[tuple[int, ...], Any] = {}
+        for unit in self._units(recurse):
+            unit.comm.reduce_group = unit.mesh.separate_group(made) if enable else None
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2's: allocate the buffers fullshard's collectives write (the all-gather output,
+        the reduce-scatter output) from the process group's own allocator where its backend
+        has one (NCCL: its memory pool, for zero-copy transfers); gloo has none, so there it
+        changes nothing. Not with a custom all-gather or reduce-scatter (``AssertionError``,
+        as FSDP2)."""
+        unit = self._fullshard_state.unit
+        for kind, custom in (
+            ("all gather", unit.comm.custom_all_gather),
+            ("reduce scatter", unit.comm.custom_reduce_scatter),
+        ):
+            if custom is not None and enable:
+                raise FullshardAssertionError(
+                    fsdp2_words(
+                        f"unit '{unit.name}' has a custom {kind}, which allocates its own "
+                        "buffers; drop set_custom_* or this call.",
+                        "cannot call set_allocate_memory_from_process_group() when "
+                        f"{kind} comm is custom: {type(custom).__name__}",
+                    )
+                )
+        unit.comm.allocate_from_group = enable
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """FSDP2's symmetric-memory all-gather (NCCL's copy-engine or symmetric kernels).
+        fullshard does not allocate from symmetric memory: the call is checked as FSDP2 checks
+        it (not with a custom all-gather or reduce-scatter: ``AssertionError``) and then
+        changes nothing, on every backend; the all-gathers stay ordinary ones."""
+        unit = self._fullshard_state.unit
+        for kind, custom in (
+            ("all gather", unit.comm.custom_all_gather),
+            ("reduce scatter", unit.comm.custom_reduce_scatter),
+        ):
+            if custom is not None:
+                raise FullshardAssertionError(
+                    fsdp2_words(
+                        f"unit '{unit.name}' has a custom {kind}; symmetric memory applies to "
+                        "the default collectives only.",
+                        f"cannot call set_symm_mem() when {kind} comm is custom: "
+                        f"{type(custom).__name__}",
+                    )
+                )
+        if backend != "NCCL":
+            raise FullshardValueError(
+                f"set_symm_mem_for_comm(backend={backend!r}): FSDP2 supports 'NCCL' only."
+            )
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """``False``: the next backward is not the last of the step, so its end does not wait
-        for gradient reductions in flight (the following backward or forward does)."""
+        """``False``: the next backward is not the last of the step: its end does not wait for
+        the reductions it queued (CUDA: the compute stream does not wait for them; the
+        following backward or forward does). ``.grad`` is set as after any backward, as in
+        FSDP2 (on gloo the host waits for each reduction anyway)."""
         root = self._root_state()
         root.is_last_backward = is_last_backward
         if root.schedule is not None:
             root.schedule.is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """torch 2.15's: ``True``: a backward's end finishes nothing (reductions in flight,
+        units left gathered, the step's checks); call :meth:`finalize_backward` after the
+        step's last backward. For schedules that run a step's backward as several backward
+        calls (pipeline stages, expert-parallel overlap). Not during a backward."""
+        if torch._C._current_graph_task_id() != -1:
+            raise FullshardError(
+                "set_manual_backward_finalization() cannot run in backward; call it between "
+                "steps (or before the step's first forward)."
+            )
+        root = self._root_state()
+        root.manual_finalization = enabled
+        if root.schedule is not None:
+            root.schedule.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """torch 2.15's: finish backward now, as the end of a backward does: reduce (if
+        gradient sync is on) the gradients that backwards without sync accumulated, also of
+        units no backward reached this time, finish every reduction, reshard units a backward
+        left gathered (as ``set_reshard_after_backward`` asks) and close the step. Call it
+        after a backward, on the root, not between a forward and its backward.
+        ``async_op=True`` returns a :class:`GradientReductionHandle` with the reductions in
+        flight; call its ``wait()`` before using ``.grad`` or the next forward."""
+        schedule = self._root_state().schedule
+        if schedule is None:  # no forward ran: nothing to finish
+            return GradientReductionHandle() if async_op else None
+        schedule.reduce_unsynced()
+        handle = GradientReductionHandle(schedule)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """torch 2.15's: ``True``: resharding shows the modules their shards again but keeps
+        the gathered storage allocated, so each gather refills the same memory and the
+        gathered parameters keep their addresses (CUDA graphs captured over them stay valid;
+        torchtitan's RL generator). Costs the gathered unit's memory between uses."""
+        for unit in self._units(recurse):
+            unit.keep_unsharded_storage = keep
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next forward's all-gathers wait for ``event`` (recorded after the optimizer step)
@@ -193,15 +375,20 @@ class FSDPModule:
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.cuda.Stream | None = None
     ) -> None:
-        """``hook(reduce_output)`` runs on this unit's summed gradient shard every reduction:
-        after the reduce-scatter (1-D mesh) or after the HSDP all-reduce (2-D mesh), before the
-        division by the data-parallel size. ``stream``: where it runs (not with HSDP, whose
-        hook runs where the all-reduce ran)."""
+        """``hook(reduce_output)`` runs on this unit's reduced gradient shard every reduction:
+        after the reduce-scatter (1-D mesh) or after the HSDP all-reduce (2-D mesh). It sees
+        what FSDP2's hook sees (NOTE [What the all-reduce hook sees] in unit_parts.py): the
+        average in fp32/bf16, the sum divided by FSDP2's pre-factor in other dtypes or after
+        ``set_force_sum_reduction_for_comms(True)``; what it writes in place is then divided by
+        the rest. ``stream``: where it runs (not with HSDP, whose hook runs where the
+        all-reduce ran)."""
         unit = self._fullshard_state.unit
         if stream is not None and unit.comm.replicate_group is not None:
-            raise FullshardValueError(
-                f"set_all_reduce_hook(stream=...) on unit '{unit.name}', which is HSDP (a 2-D "
-                "mesh): its hook runs after the replica all-reduce, on that stream. Drop stream=."
+            raise fsdp2_exact(
+                FullshardValueError("stream cannot be set when using native HSDP"),
+                f"fullshard: set_all_reduce_hook(stream=...) on unit '{unit.name}', which is "
+                "HSDP (a 2-D mesh): its hook runs after the replica all-reduce, on that "
+                "stream. Drop stream=.",
             )
         unit.all_reduce_hook = hook
         unit.all_reduce_hook_stream = stream
@@ -227,11 +414,14 @@ class FSDPModule:
         state.reset_iter_state()
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Gather these units when this one starts its forward (replaces implicit prefetch)."""
+        """Gather these units, in this order, when this one starts its forward (after its own
+        gather: replaces implicit prefetch). All of them, beyond NOTE [Gathered window]: a
+        list of two or more is asked-for memory, as in FSDP2."""
         self._fullshard_state.explicit_prefetch.forward = _prefetch_units(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Gather these units when this one starts its backward (replaces implicit prefetch)."""
+        """Gather these units, in this order, when this one starts its backward (replaces
+        implicit prefetch; beyond NOTE [Gathered window], as the forward list)."""
         self._fullshard_state.explicit_prefetch.backward = _prefetch_units(modules)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
@@ -267,8 +457,12 @@ def _prefetch_units(modules: list[FSDPModule]) -> list[CommUnit]:
     prefetches in the first forward."""
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise FullshardError(
-                f"prefetch targets must be modules passed to fully_shard; got {type(m).__name__}"
+            raise FullshardValueError(
+                fsdp2_words(
+                    "prefetch targets must be modules passed to fully_shard; got "
+                    f"{type(m).__name__}",
+                    f"Expects FSDPModule but got {type(m)}: {m}",
+                )
             )
     return [m._fullshard_state.unit for m in modules]
 
@@ -280,8 +474,12 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     checks that each module was passed to ``fully_shard``."""
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise FullshardError(
-                f"share_comm_ctx expects modules passed to fully_shard; got {type(m).__name__}."
+            raise FullshardValueError(
+                fsdp2_words(
+                    f"share_comm_ctx expects modules passed to fully_shard; got "
+                    f"{type(m).__name__}.",
+                    f"Expects list of FSDPModules but got {m}",
+                )
             )
 
 
@@ -302,7 +500,13 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not isinstance(module, FSDPModule):
         return
     if not hasattr(module, method_name):
-        raise FullshardError(f"{type(module).__name__} has no method {method_name!r}")
+        raise FullshardValueError(
+            fsdp2_words(
+                f"register_fsdp_forward_method: {type(module).__name__} has no method "
+                f"{method_name!r}",
+                f"{type(module)} does not have a method {method_name}",
+            )
+        )
     original = getattr(module, method_name)
     state = module._fullshard_state
 

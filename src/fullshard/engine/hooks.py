@@ -84,7 +84,7 @@ from fullshard.engine.fsdp2_interop import ParamGroupView, StateContextView
 from fullshard.engine.schedule import ExplicitPrefetch, StepSchedule
 from fullshard.engine.unit import CommUnit
 from fullshard.engine.unit_parts import UnitState
-from fullshard.policies import FullshardError, Phase, SharedParameterError
+from fullshard.policies import FullshardError, Phase, SharedParameterError, fsdp2_words
 
 if TYPE_CHECKING:
     from torch.autograd.graph import Node
@@ -127,8 +127,10 @@ class FSDPState:
         self.parent: FSDPState | None = None
         self.schedule: StepSchedule | None = None
         self.is_root = False
-        # root only: FSDPModule.set_is_last_backward / set_post_optim_event
+        # root only: FSDPModule.set_is_last_backward / set_post_optim_event /
+        # set_manual_backward_finalization
         self.is_last_backward = True
+        self.manual_finalization = False
         self.post_optim_event: torch.Event | None = None
         self._to_run: set[int] = set()  # modules of the list still to finish this forward
         self.tree: list[FSDPState] = []  # root only: every state under it, itself included
@@ -190,6 +192,7 @@ class FSDPState:
         self.tree = states
         schedule = StepSchedule(self.unit, [st.unit for st in states])
         schedule.is_last_backward = self.is_last_backward
+        schedule.manual_finalization = self.manual_finalization
         for st in states:
             st.schedule = schedule
             schedule.prefetcher.explicit[st.unit] = st.explicit_prefetch
@@ -461,16 +464,24 @@ def _check_ties_across_units(states: list[FSDPState]) -> None:
 
 def _check_materialized(states: list[FSDPState]) -> None:
     """Parameters still on the meta device at first forward: name them all, say what to do."""
-    meta = [
-        f"{st.unit.name}.{p.fqn}" if st.unit.name != "root" else p.fqn
+    per_unit = [
+        [
+            f"{st.unit.name}.{p.fqn}" if st.unit.name != "root" else p.fqn
+            for p in st.unit.params
+            if p.sharded.is_meta
+        ]
         for st in states
-        for p in st.unit.params
-        if p.sharded.is_meta
     ]
+    meta = [n for names in per_unit for n in names]
     if meta:
         shown = ", ".join(meta[:8]) + (f" (+{len(meta) - 8} more)" if len(meta) > 8 else "")
+        first = next(names for names in per_unit if names)  # FSDP2 names one unit's
         raise FullshardError(
-            f"{len(meta)} parameter(s) are still on the meta device at the first forward: "
-            f"{shown}. Materialise them after fully_shard and before the first forward, e.g. "
-            "model.to_empty(device='cpu') followed by your init (reset_parameters())."
+            fsdp2_words(
+                f"{len(meta)} parameter(s) are still on the meta device at the first forward: "
+                f"{shown}. Materialise them after fully_shard and before the first forward, "
+                "e.g. model.to_empty(device='cpu') followed by your init (reset_parameters()).",
+                "FSDP parameters should be materialized from meta device before training, but "
+                f"the following were still on meta device: {first}",
+            )
         )

@@ -14,10 +14,10 @@ puts back exactly what it changed:
 - it rebinds, in modules already imported, every global that *is* one of torch's FSDP2 objects
   (an earlier ``from torch.distributed.fsdp import fully_shard``, under any name). torch's own
   modules are left alone: their code keeps using torch's FSDP2 internally.
-Names torch's FSDP2 has and fullshard does not (``DataParallelMeshDims``, the private modules)
-stay torch's. fullshard's ``fully_shard`` also takes torch's policy objects (a framework may
-have built a ``MixedPrecisionPolicy`` before ``install()``), so the order rarely matters; still,
-call ``install()`` first thing in the script every rank runs. ``install()`` while installed
+Other names stay torch's: the private modules, and ``DataParallelMeshDims`` (fullshard's
+``fully_shard`` reads torch's as its own). fullshard's ``fully_shard`` also takes torch's policy
+objects (a framework may have built a ``MixedPrecisionPolicy`` before ``install()``), so the
+order rarely matters; still, call ``install()`` first thing in the script every rank runs. ``install()`` while installed
 changes nothing, so nested ``with fullshard.install():`` blocks restore only at the outermost.
 """
 

@@ -156,6 +156,8 @@ class ShardedParam:
         self.owner = self.owners[0]
         self.tp = tp  # NOTE [Tensor parallel parameters]; ``shape`` is then the TP-local one
         self.dim = dim  # the shard dim (``shard_placement_fn``; NOTE [Flat unit layout])
+        # MixedPrecisionPolicy.param_dtype_override_fn kept it in its own dtype (fully_shard)
+        self.keeps_dtype = False
         self.sharded: nn.Parameter = None  # type: ignore[assignment]  # set by set_sharded_data
         self.unsharded: nn.Parameter | None = None
         # NOTE [All-gather extensions] (extension.py): wraps a flat-buffer view as the subclass

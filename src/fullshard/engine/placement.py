@@ -29,6 +29,7 @@ from fullshard.policies import (
     FullshardAssertionError,
     FullshardError,
     FullshardNotImplementedError,
+    fsdp2_words,
 )
 
 try:  # FSDP2's richer answer (torch >= 2.10); older torch has only Shard | None
@@ -86,9 +87,12 @@ def _dim_of(result: Any, param: torch.Tensor, where: str, info: MeshInfo) -> int
     dim = placement.dim + ndim if placement.dim < 0 else placement.dim
     if not 0 <= dim < ndim:
         raise FullshardAssertionError(
-            f"shard_placement_fn returned Shard({placement.dim}) for {where}, of shape "
-            f"{tuple(param.shape)}, which has no dim {placement.dim}; return Shard(d) with "
-            f"{-ndim} <= d < {ndim}, or None for Shard(0)."
+            fsdp2_words(
+                f"shard_placement_fn returned Shard({placement.dim}) for {where}, of shape "
+                f"{tuple(param.shape)}, which has no dim {placement.dim}; return Shard(d) with "
+                f"{-ndim} <= d < {ndim}, or None for Shard(0).",
+                f"Shard dim {placement.dim} is invalid for {ndim}D tensor: {param.shape}",
+            )
         )
     return dim
 
@@ -127,10 +131,15 @@ def shard_dims(
         size, world = local.shape[dim], info.world_size
         if dim and size % world:
             raise FullshardNotImplementedError(
-                f"shard_placement_fn returned Shard({dim}) for {where}, of shape "
-                f"{tuple(local.shape)}: dim {dim} has size {size}, not divisible by the shard "
-                f"group size {world}. Only dim 0 may be sharded unevenly (as in FSDP2); return "
-                f"Shard(0) for it, or a dim whose size is a multiple of {world}."
+                fsdp2_words(
+                    f"shard_placement_fn returned Shard({dim}) for {where}, of shape "
+                    f"{tuple(local.shape)}: dim {dim} has size {size}, not divisible by the "
+                    f"shard group size {world}. Only dim 0 may be sharded unevenly (as in "
+                    f"FSDP2); return Shard(0) for it, or a dim whose size is a multiple of "
+                    f"{world}.",
+                    f"FSDP does not support uneven sharding on dim {dim}: {local.size()} "
+                    f"(world size: {world})",
+                )
             )
         dims.append(dim)
     return dims

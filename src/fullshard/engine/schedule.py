@@ -21,7 +21,9 @@ NOTE [Gathered window]
 At most ``max_gathered`` non-root units hold gathered storage because of *our* choices (the one
 computing plus the prefetched one; default 2). Units that keep their parameters by request
 (``reshard_after_forward=False``) do not count: the user asked for that memory. A prefetch that
-would exceed the window is skipped, never queued, so the bound holds in every phase.
+would exceed the window is skipped, never queued, so the bound holds in every phase. An
+explicit list (``set_modules_to_*_prefetch``) is gathered whole, as FSDP2 does: a list of two
+or more asks for the memory of more units gathered at once.
 
 NOTE [End of backward]
 Autograd gives no per-unit "backward is over" signal that always fires: a unit whose outputs
@@ -32,7 +34,14 @@ post-backward for every unit whose backward started but did not finish, finishes
 reduce-scatter in flight (on a GPU: the compute stream waits for the reduce stream, so
 ``.grad`` is complete for anything queued after ``backward()`` returns), frees every gathered
 unit that should be resharded, and closes the step's desync verdict (NOTE [Reading the
-verdict]), which the next forward reads.
+verdict]), which the next forward reads. ``set_is_last_backward(False)`` leaves the waits for
+the reductions to the next backward or forward (CUDA; on the host path the host waits for each
+anyway, so ``.grad`` is set after every backward, as in FSDP2). Under torch 2.15's
+``set_manual_backward_finalization(True)`` a backward's end only ends that pass (units whose
+backward did not finish are kept for later) and ``FSDPModule.finalize_backward`` does all of
+the above once, after first reducing, with gradient sync on, the gradients backwards without
+sync accumulated (``reduce_unsynced``): a pipeline stage's or an expert-overlap schedule's many
+backward calls make one step.
 
 NOTE [Optional units]
 A unit declared optional (``FSDPModule.set_optional()``: an image encoder that runs only where
@@ -154,22 +163,25 @@ class Prefetcher:
                 return list(order[i + 1 : i + 2])
         return []
 
-    def forward_targets(self, unit: CommUnit) -> list[CommUnit]:
+    def forward_targets(self, unit: CommUnit) -> tuple[list[CommUnit], bool]:
+        """What to prefetch when ``unit`` starts its forward, and whether that is an explicit
+        list (NOTE [Gathered window]: not bounded by it)."""
         explicit = self.explicit.get(unit)
         if explicit is not None and explicit.forward is not None:
-            return explicit.forward
+            return explicit.forward, True
         # Position in this forward = how many times we've seen units so far.
         pos = len(self.pre_forward_order)
         order = self.last_forward_order
         if pos < len(order) and order[pos - 1] is unit:
-            return [order[pos]]
-        return []
+            return [order[pos]], False
+        return [], False
 
-    def backward_targets(self, unit: CommUnit) -> list[CommUnit]:
+    def backward_targets(self, unit: CommUnit) -> tuple[list[CommUnit], bool]:
+        """As ``forward_targets``, for ``unit``'s backward."""
         explicit = self.explicit.get(unit)
         if explicit is not None and explicit.backward is not None:
-            return explicit.backward
-        return self._next(list(reversed(self.post_forward_order)), unit)
+            return explicit.backward, True
+        return self._next(list(reversed(self.post_forward_order)), unit), False
 
     # -- the window -----------------------------------------------------------------------
     def counts_in_window(self, unit: CommUnit) -> bool:
@@ -179,22 +191,27 @@ class Prefetcher:
         """Non-root units gathered (or gathering) that count against NOTE [Gathered window]."""
         return sum(1 for u in self.units if u.gathered and self.counts_in_window(u))
 
-    def prefetch(self, targets: Sequence[CommUnit], phase: Phase) -> list[CommUnit]:
-        """Start the gathers of ``targets`` that fit the window; returns the ones started."""
+    def prefetch(
+        self, targets: Sequence[CommUnit], phase: Phase, explicit: bool = False
+    ) -> list[CommUnit]:
+        """Start the gathers of ``targets`` that fit the window (all of an ``explicit`` list);
+        returns the ones started."""
         started = []
         for target in targets:
             if target.gathered:
                 continue
             if phase is Phase.BACKWARD and not target.unshard_in_backward:
                 continue  # FSDPModule.set_unshard_in_backward(False)
-            if self.counts_in_window(target) and self.window() >= self.max_gathered:
+            bounded = not explicit and self.counts_in_window(target)
+            if bounded and self.window() >= self.max_gathered:
                 break
             target.unshard(phase)
             started.append(target)
         return started
 
 
-# Reduce-scatters in flight at once: each holds a full copy of its unit's gradients.
+# Reduce-scatters in flight at once, by default (FSDPModule.set_reduce_scatter_max_input_buffers
+# raises a unit's): each holds a full copy of its unit's gradients.
 MAX_REDUCES_IN_FLIGHT = 1
 
 
@@ -241,6 +258,7 @@ class StepSchedule:
         # on the CUDA path the first forward's checks read on the host: not under live
         # recovery, which rebuilds the root in what is a quiet step of the run
         on_host = not cuda_semantics(root.mesh.device)
+        self.host_path = on_host  # gloo on CPU: every collective is waited for on the host
         self.check_first = on_host or interrupt_for(root.mesh.group) is None
         self.stats.check_forward = f"{self.key}/first" if self.check_first else ""
         self.check_next = False  # a unit ran on no rank: fingerprint the next forward's gathers
@@ -264,6 +282,8 @@ class StepSchedule:
         self.forwarded: set[CommUnit] = set()
         self.listeners: list[Listener] = []
         self.is_last_backward = True  # FSDPModule.set_is_last_backward
+        # FSDPModule.set_manual_backward_finalization: finalize() waits for finalize_backward
+        self.manual_finalization = False
         self.in_forward = False  # between the root's pre- and post-forward
 
     def _emit(self, point: Point, unit: CommUnit) -> None:
@@ -301,7 +321,8 @@ class StepSchedule:
         self.forwarded.add(unit)
         self.prefetcher.record_pre_forward(unit)
         if not unit.optional:
-            self.prefetcher.prefetch(self.prefetcher.forward_targets(unit), Phase.FORWARD)
+            targets, explicit = self.prefetcher.forward_targets(unit)
+            self.prefetcher.prefetch(targets, Phase.FORWARD, explicit)
         self._emit(Point.FORWARD_START, unit)
 
     def pre_recompute(self, unit: CommUnit) -> None:
@@ -359,7 +380,8 @@ class StepSchedule:
             self.no_gradients.add(unit)
         if unit.unshard_in_backward:
             unit.wait_for_unshard(Phase.BACKWARD)
-        self.prefetcher.prefetch(self.prefetcher.backward_targets(unit), Phase.BACKWARD)
+        targets, explicit = self.prefetcher.backward_targets(unit)
+        self.prefetcher.prefetch(targets, Phase.BACKWARD, explicit)
         self._emit(Point.BACKWARD_START, unit)
 
     def post_backward(self, unit: CommUnit) -> None:
@@ -385,7 +407,7 @@ class StepSchedule:
 
     def _reduce(self, unit: CommUnit) -> None:
         if unit.requires_grad_sync and unit.trainable:
-            while len(self._reducing) >= MAX_REDUCES_IN_FLIGHT:
+            while len(self._reducing) >= unit.max_reduces_in_flight:
                 self._reducing.pop(0).finish_reduce()
             unit.reduce_grads()
             self._reducing.append(unit)
@@ -393,7 +415,32 @@ class StepSchedule:
             unit.accumulate_unsynced()  # NOTE [Accumulating without sync]
 
     def end_backward(self) -> None:
-        """The root's end-of-backward callback (NOTE [End of backward])."""
+        """The root's end-of-backward callback (NOTE [End of backward]); under manual
+        finalization it only ends this backward pass (``finalize`` does the rest)."""
+        if self.manual_finalization:
+            # units whose backward did not finish stay for finalize(); the others may run
+            # their backward again in the next pass
+            self.backward_started -= self.backward_done
+            self.backward_done.clear()
+            if self.host_path:  # CUDA: reductions still on their streams hold checks to read
+                self.verdict.close()
+            self._callback_task = None
+            return
+        self.finalize()
+
+    def reduce_unsynced(self) -> None:
+        """``FSDPModule.finalize_backward``: with gradient sync on, reduce the gradients that
+        backwards without sync left on the rank, also for units this backward did not reach
+        (a pipeline stage's last micro-batch); the reductions stay in flight."""
+        for unit in self.units:
+            if unit in self.backward_started and unit not in self.backward_done:
+                self.post_backward(unit)  # reduces, or keeps accumulating without sync
+            elif unit.requires_grad_sync and not unit.optional and unit.has_unreduced_grads():
+                self._reduce(unit)
+
+    def finalize(self) -> None:
+        """Finish backward (NOTE [End of backward]): at the end of every backward pass, or
+        under manual finalization at ``finalize_backward``."""
         for unit in self.units:
             if unit in self.backward_started and unit not in self.backward_done:
                 self.post_backward(unit)
@@ -403,25 +450,31 @@ class StepSchedule:
                 if unit.reshard_after_backward:
                     unit.reshard()
                     self._emit(Point.FREE, unit)
-        if self.is_last_backward:  # else the next backward or forward finishes them
+        # set_is_last_backward(False): on CUDA the reductions are queued whole already
+        # (``.grad`` included), and their waits move to the next backward or forward; on the
+        # host path the host waits for each anyway, so it does now: ``.grad`` is set after
+        # every backward, as in FSDP2
+        waited = self.is_last_backward or self.host_path
+        if waited:
             self._finish_all_reduces()
-        offloaded = False
-        for unit in self.units:
-            unit.end_reduces()  # CUDA: compute waits for the reductions queued on streams
-            offloaded = unit.take_offload_event() or offloaded
-        if offloaded:
-            # The CPU optimizer reads the offloaded gradients: the host waits once per backward
-            # for every copy (compute has waited for each reduction, so one event covers all;
-            # FSDP2 synchronises one event per parameter here).
-            event = self.root.streams.record_compute()
-            assert event is not None
-            event.synchronize()
+            offloaded = False
+            for unit in self.units:
+                unit.end_reduces()  # CUDA: compute waits for the reductions queued on streams
+                offloaded = unit.take_offload_event() or offloaded
+            if offloaded:
+                # The CPU optimizer reads the offloaded gradients: the host waits once per
+                # backward for every copy (compute has waited for each reduction, so one event
+                # covers all; FSDP2 synchronises one event per parameter here).
+                event = self.root.streams.record_compute()
+                assert event is not None
+                event.synchronize()
         for unit in self.units:
             unit.post_forward_shard = None  # kept for a backward that has now passed
             if unit.reshard_after_backward and unit.gathered:
                 unit.reshard()  # kept for a backward that never reached it
                 self._emit(Point.FREE, unit)
-        self.verdict.close()
+        if waited:  # CUDA: the reductions' checks are read once compute has waited for them
+            self.verdict.close()
         self._emit(Point.BACKWARD_DONE, self.root)
         self.backward_started.clear()
         self.backward_done.clear()

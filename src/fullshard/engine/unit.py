@@ -71,6 +71,7 @@ from fullshard.engine.unit_parts import (
     UnitState,
     check_reduce_tags,
     gradient_receivers,
+    hook_divisor,
     join_wire,
     make_groups,
     post_accumulate_hooks,
@@ -146,6 +147,14 @@ class CommUnit:
         self.requires_grad_sync = True
         self.requires_all_reduce = True
         self.divide_factor: float | None = None  # set_gradient_divide_factor
+        # FSDPModule.set_force_sum_reduction_for_comms: what the all-reduce hook sees
+        self.force_sum_reduction = False
+        # FSDPModule.set_reduce_scatter_unused_params: .grad for every trainable parameter
+        self.reduce_scatter_unused_params = False
+        # FSDPModule.set_reduce_scatter_max_input_buffers: reduce-scatters in flight at once
+        self.max_reduces_in_flight = 1
+        # FSDPModule.set_keep_unsharded_storage: resharding keeps the gathered storage
+        self.keep_unsharded_storage = False
         self.reduce_in_flight: ReduceInFlight | None = None
         # FSDPModule.set_all_reduce_hook: called on the summed shard before it is divided
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
@@ -370,8 +379,9 @@ class CommUnit:
                 self._keep_post_forward_shard()
             for p in self.params:
                 p.expose(unsharded=False)
-            for g in self.groups:
-                g.free()
+            if not self.keep_unsharded_storage:
+                for g in self.groups:
+                    g.free()
             self.state = UnitState.SHARDED
 
     def _keep_post_forward_shard(self) -> None:
@@ -446,6 +456,13 @@ class CommUnit:
             self._reduce_on_streams(flight)
             flight.pending = None
         self.reduce_in_flight = flight
+
+    def has_unreduced_grads(self) -> bool:
+        """Gradients a backward without sync left on the rank (NOTE [Accumulating without
+        sync]), for ``FSDPModule.finalize_backward`` to reduce."""
+        if self.accumulated:
+            return True
+        return any(p.unsharded is not None and p.unsharded.grad is not None for p in self.trainable)
 
     def _full_grad(self, p: ShardedParam) -> torch.Tensor | None:
         """The gradient to reduce (taken off the parameter): this backward's plus what was
@@ -537,7 +554,10 @@ class CommUnit:
         del flight
 
     def _receivers(self, flight: ReduceInFlight) -> list[bool]:
-        """NOTE [Which gradients exist]: the parameters some rank used get ``.grad``."""
+        """NOTE [Which gradients exist]: the parameters some rank used get ``.grad`` (every
+        trainable one with ``set_reduce_scatter_unused_params(True)``, as FSDP2)."""
+        if self.reduce_scatter_unused_params:
+            return [True] * len(self.trainable)
         replicated = self.comm.replicate_group is not None
         return gradient_receivers(flight, len(self.trainable), self.mesh.world_size, replicated)
 
@@ -548,17 +568,28 @@ class CommUnit:
         self._done_events = []  # and the buffers held for the all-reduce stream go
 
     def _finish_shard(self, shard: torch.Tensor, present: list[bool]) -> None:
+        divided: float = self._pre_divide_factor()  # what the shard is divided by so far
         if self.all_reduce_hook is not None:
-            self._run_all_reduce_hook(shard)
-        self._set_grads(shard, present)
+            divided = self._run_all_reduce_hook(shard, divided)
+        self._set_grads(shard, present, divided)
 
-    def _run_all_reduce_hook(self, shard: torch.Tensor) -> None:
+    def _run_all_reduce_hook(self, shard: torch.Tensor, divided: float) -> float:
+        """NOTE [What the all-reduce hook sees]: divide as FSDP2 has when its hook runs, run
+        the hook; returns what the shard is now divided by."""
         assert self.all_reduce_hook is not None
-        stream = self.all_reduce_hook_stream if self.streams.cuda else None
-        run_all_reduce_hook(self.all_reduce_hook, stream, shard)
+        seen = hook_divisor(
+            self.mesh.data_parallel_size, self.reduce_dtype, self.divide_factor,
+            self.force_sum_reduction,
+        )  # fmt: skip
+        if seen != divided:
+            shard.div_(seen / divided)
+        run_all_reduce_hook(
+            self.all_reduce_hook, self.all_reduce_hook_stream, shard, self.streams.cuda
+        )
+        return seen
 
-    def _set_grads(self, shard: torch.Tensor, present: list[bool]) -> None:
-        factor = (self.divide_factor or self.mesh.data_parallel_size) / self._pre_divide_factor()
+    def _set_grads(self, shard: torch.Tensor, present: list[bool], divided: float) -> None:
+        factor = (self.divide_factor or self.mesh.data_parallel_size) / divided
         if factor != 1:
             shard.div_(factor)
         # one cast per unit, on the device, before any copy to the host (NOTE [Dividing the sum])

@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -170,32 +170,38 @@ def make_groups(
     """NOTE [Mixed-dtype units]: one group per dtype, widest first (alignment in bytes), then
     one per dtype of the parameters gathered through extension hooks (values in the flat
     buffer, then shards of their own: NOTE [Shards of their own] in copy_in.py); the last
-    group carries the position tag."""
+    group carries the position tag. Parameters that ``param_dtype_override_fn`` keeps in their
+    own dtype form groups of their own (computed in that dtype, not ``param_dtype``)."""
 
     def width(d: torch.dtype) -> int:
         return -torch.empty((), dtype=d).element_size()
 
     of = [gather_kind(t) for t in originals]
-    kinds: list[tuple[str, torch.dtype]] = []
+    kinds: list[tuple[str, torch.dtype, bool]] = []
     for kind in ("plain", "flat", "own"):
-        dtypes = {t.dtype for t, k in zip(originals, of, strict=True) if k == kind}
-        kinds += [(kind, d) for d in sorted(dtypes, key=width)]
-    kinds = kinds or [("plain", torch.float32)]
+        keys = {
+            (t.dtype, p.keeps_dtype)
+            for p, t, k in zip(params, originals, of, strict=True)
+            if k == kind
+        }
+        kinds += [(kind, d, keep) for d, keep in sorted(keys, key=lambda x: (width(x[0]), x[1]))]
+    kinds = kinds or [("plain", torch.float32, False)]
     groups: list[ShardGroup] = []
-    for i, (kind, dtype) in enumerate(kinds):
+    for i, (kind, dtype, keep) in enumerate(kinds):
         pairs = [
             (p, t)
             for p, t, k in zip(params, originals, of, strict=True)
-            if t.dtype == dtype and k == kind
+            if t.dtype == dtype and k == kind and p.keeps_dtype == keep
         ]
         members = [p for p, _ in pairs]
-        compute = mp_policy.param_dtype or dtype
+        compute = dtype if keep else (mp_policy.param_dtype or dtype)
         # the tag ends the last group, so it ends what is sent
         tail = tag_tail(mesh.world_size) if i == len(kinds) - 1 else 0
         args = (members, dtype, compute, mesh, shard_device, pin_memory)
         if kind != "plain":
             cls = ExtensionGroup if kind == "flat" else CopyInGroup
-            g: ShardGroup = cls(*args, tail, [t for _, t in pairs], mp_policy)
+            mp = replace(mp_policy, param_dtype=compute) if keep else mp_policy
+            g: ShardGroup = cls(*args, tail, [t for _, t in pairs], mp)
         else:
             g = ShardGroup(*args, tail, align=len(kinds) > 1)
         g.unit_name = unit_name
@@ -242,6 +248,32 @@ def pre_divide_factor(n: int, reduce_dtype: torch.dtype, divide_factor: float | 
     return pre
 
 
+def hook_divisor(
+    n: int, reduce_dtype: torch.dtype, divide_factor: float | None, force_sum: bool
+) -> float:
+    """NOTE [What the all-reduce hook sees]
+    FSDP2 divides the sum over the ``n`` data-parallel ranks inside its collectives where it
+    can: in fp32 and bf16 its reduce-scatter averages (``ReduceOp.AVG``, or a pre-multiplied
+    sum by 1 / ``set_gradient_divide_factor``), so its all-reduce hook receives the average. In
+    other dtypes (fp16 for overflow, fp64), or with ``set_force_sum_reduction_for_comms(True)``,
+    it reduces with ``SUM``: the hook receives the sum divided by a pre-factor (fp16/fp64: the
+    power of two its loop below finds; fp32/bf16: 1) and the rest of the division follows the
+    hook. fullshard always sums on the wire (NOTE [Dividing the sum]); when a hook is set it
+    divides the summed shard by what FSDP2 has divided by at that point, runs the hook (which
+    may change the shard in place: torchft all-reduces it across replica groups), then divides
+    by the rest. This returns that divisor. Without a hook nothing of this runs."""
+    factor = float(divide_factor) if divide_factor is not None else float(n)
+    plain = reduce_dtype in (torch.float32, torch.bfloat16)
+    if plain and not force_sum:
+        return factor  # averaged (or pre-multiplied by 1 / factor) by the collective
+    if plain:
+        return 1.0  # a plain sum; FSDP2 post-divides by the whole factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre)
+
+
 def post_accumulate_hooks(p: ShardedParam) -> list[Callable[[torch.Tensor], None]]:
     """NOTE [Post-accumulate-grad hooks on sharded parameters]
     ``register_post_accumulate_grad_hook`` on a sharded parameter (the optimizer-in-backward
@@ -254,14 +286,20 @@ def post_accumulate_hooks(p: ShardedParam) -> list[Callable[[torch.Tensor], None
 
 
 def run_all_reduce_hook(
-    hook: Callable[[torch.Tensor], None], stream: Any, shard: torch.Tensor
+    hook: Callable[[torch.Tensor], None], stream: Any, shard: torch.Tensor, ordered: bool
 ) -> None:
-    """FSDP2's all-reduce hook: ``hook(reduce_output)`` on the unit's summed shard (after the
-    HSDP all-reduce, else after the reduce-scatter), before the division; e.g. torchft
-    all-reduces it across replica groups there. On ``stream`` (a ``torch.cuda.Stream``, on the
-    CUDA path only) when one was given."""
+    """FSDP2's all-reduce hook: ``hook(reduce_output)`` on the unit's reduced shard (after the
+    HSDP all-reduce, else after the reduce-scatter), divided as NOTE [What the all-reduce hook
+    sees]; e.g. torchft all-reduces it across replica groups there. On ``stream`` when one was
+    given: ordered after the reduction and before what follows on the CUDA path (``ordered``);
+    on the host path, where everything runs in order, it is only made current for the hook (a
+    ``torch.cpu.Stream`` on CPU), as FSDP2 does."""
     if stream is None:
         hook(shard)
+        return
+    if not ordered:
+        with torch.get_device_module(shard.device).stream(stream):
+            hook(shard)
         return
     here = current_stream(shard.device)
     stream.wait_stream(here)
