@@ -91,7 +91,9 @@ class Root(nn.Module):
         return x
 
 
-def _build(impl: str, config: str, armed: bool = False) -> nn.Module:
+def build(impl: str, config: str, armed: bool = False) -> nn.Module:
+    """The model of a variant (``tests/fast/test_fast_host_calls.py`` counts the calls of
+    fullshard's with it)."""
     torch.manual_seed(0)
     model = Root(checkpointed=config == "ac")
     if impl == "plain":
@@ -125,7 +127,7 @@ def _stepper(
     impl: str, config: str, optims: list[str], batch: int, armed: bool = False
 ) -> Callable[[dict[str, float]], None]:
     """One step of a variant, adding each phase's seconds into the dict it is given."""
-    model = _build(impl, config, armed)
+    model = build(impl, config, armed)
     opts = _optimizers(model, optims)
     x = torch.randn(
         batch, DIM, dtype=torch.bfloat16 if impl == "plain" and config == "bf16" else None
