@@ -10,6 +10,14 @@ this machine, on the same model and data:
 - issue 36: a rank lost in step 1 (``step1``), a hung rank (``hang``: alive, heartbeat beating),
   a rank frozen past its fencing that wakes later (``zombie``), a rank lost while the others
   recover from another loss (``during``);
+- issue 43, with ``--timeout 30 --save-every 4`` as the issue ran them: rank 0 lost once a
+  checkpoint's ``.metadata`` is written, before the commit (``commit``); rank 1 lost in the final
+  save (``final``); rank 2 lost, then rank 0 the instant the next generation is written
+  (``restore``); the same slot lost three times, one more than the replacements (``slot``); the
+  launcher killed (``launcher``: the ranks stop with a checkpoint, and the command they print
+  resumes it); a disk that fills (``disk``: a tmpfs holding two checkpoints where this process
+  may mount one, else a write failing with ENOSPC; resumed after the oldest checkpoint is
+  deleted, with ``--keep 1``);
 - the steady-state cost of ``--elastic`` (step time, memory), runs alternated with the default.
 
     python scripts/elastic_drill.py [--nproc 4] [--steps 12] [--kill-step 6] [--model tiny]
@@ -25,6 +33,8 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -41,9 +51,9 @@ for _key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "FULLSHARD_FAULT"):
     ENV.pop(_key, None)
 
 
-def _sha(work: Path, name: str, steps: int) -> str:
+def _sha(work: Path, name: str, steps: int, folder: str | None = None) -> str:
     out = work / f"{name}.safetensors"
-    ckpt = work / name / "checkpoints" / f"step_{steps:08d}"
+    ckpt = Path(folder or work / name / "checkpoints") / f"step_{steps:08d}"
     cmd = [sys.executable, "-m", "fullshard.app.cli", "convert", str(ckpt), str(out)]
     subprocess.run(cmd, env=ENV, check=True, capture_output=True)
     return hashlib.sha256(out.read_bytes()).hexdigest()
@@ -57,13 +67,17 @@ def _peak_mib(work: Path, name: str) -> float:
     return max(peaks)
 
 
-def _row(work: Path, name: str, proc: Any, wall: float, steps: int) -> dict[str, Any]:
+def _row(
+    work: Path, name: str, proc: Any, wall: float, steps: int, folder: str | None = None
+) -> dict[str, Any]:
     row: dict[str, Any] = {"name": name, "status": proc.returncode, "wall_s": round(wall, 2)}
     summary_file = work / name / "summary.json"
     if summary_file.exists():
         summary = json.loads(summary_file.read_text())
         row.update(summary)
-        row["sha256"] = _sha(work, name, steps)
+        last = Path(folder or work / name / "checkpoints") / f"step_{steps:08d}"
+        if last.is_dir():
+            row["sha256"] = _sha(work, name, steps, folder)
         row["peak_rss_mib"] = _peak_mib(work, name)
     return row
 
@@ -72,9 +86,15 @@ def _train(work: Path, name: str, args: list[str], fault: str = "") -> dict[str,
     cmd = [sys.executable, "-m", "fullshard.app.cli", "train", *args, "--runs-dir", str(work)]
     t0 = time.perf_counter()
     env = {**ENV, "FULLSHARD_FAULT": fault}
+    # (the output ends when the last rank does: a rank outlives a launcher that was killed)
     proc = subprocess.run([*cmd, "--name", name], env=env, capture_output=True, text=True)
-    row = _row(work, name, proc, time.perf_counter() - t0, int(args[args.index("--max-steps") + 1]))
+    folder = args[args.index("--checkpoint-dir") + 1] if "--checkpoint-dir" in args else None
+    steps = int(args[args.index("--max-steps") + 1])
+    row = _row(work, name, proc, time.perf_counter() - t0, steps, folder)
     row["stderr_tail"] = proc.stderr.strip().splitlines()[-1:] if proc.stderr else []
+    row["stderr_full"] = proc.stderr
+    row["tracebacks"] = proc.stderr.count("Traceback")
+    row["stack_lines"] = sum(ln.startswith("frame #") for ln in proc.stderr.splitlines())
     # what the faults and the launcher said of them, in order (a zombie's wake, a fencing)
     row["fault_lines"] = [
         ln
@@ -85,6 +105,71 @@ def _train(work: Path, name: str, args: list[str], fault: str = "") -> dict[str,
     if launcher:
         row["pids_printed"] = json.loads(launcher[0].split("are pids ")[1])
     return row
+
+
+def _said(stderr: str) -> list[str]:
+    """What the job told the user on stderr, besides the launcher's pids and its loss lines."""
+    return [
+        ln for ln in stderr.splitlines()
+        if ln.strip() and "are pids" not in ln and "the other ranks keep running" not in ln
+    ]  # fmt: skip
+
+
+def _resumed(work: Path, row: dict[str, Any], command: str, steps: int, extra: list[str]) -> None:
+    """Run the resume command a stopped job printed (``python -m``/``fullshard`` as this
+    interpreter), and record its status and weights in ``row``."""
+    argv = shlex.split(command)
+    argv = argv[3:] if argv[:3] == ["python", "-m", "fullshard.app.cli"] else argv[1:]
+    proc = subprocess.run([sys.executable, "-m", "fullshard.app.cli", *argv, *extra], env=ENV,
+                          capture_output=True, text=True)  # fmt: skip
+    row["resume_status"] = proc.returncode
+    if proc.returncode == 0:
+        name = argv[argv.index("--name") + 1]
+        folder = argv[argv.index("--checkpoint-dir") + 1] if "--checkpoint-dir" in argv else None
+        row["sha256"] = _sha(work, name, steps, folder)
+
+
+def _stopped(work: Path, name: str, args: list[str], fault: str, resume_extra: list[str],
+             before_resume: Any = None) -> dict[str, Any]:  # fmt: skip
+    """A drill whose job stops (its launcher killed, a full disk): what it said, then the
+    command it printed, run, to the end."""
+    row = _train(work, name, args, fault)
+    row["said"] = _said(row.pop("stderr_full", ""))
+    steps = int(args[args.index("--max-steps") + 1])
+    line = next((ln for ln in row["said"] if "--resume latest" in ln), "")
+    command = line.split("Resume: ")[-1].split("then resume: ")[-1]
+    if command.strip():
+        if before_resume is not None:
+            before_resume()
+        _resumed(work, row, command, steps, resume_extra)
+    return row
+
+
+def _disk(work: Path, args: list[str], k: int) -> dict[str, Any]:
+    """A disk that fills: a tmpfs sized for two of the run's checkpoints where one can be
+    mounted here (root), else rank 1's write failing as on a full disk (``diskfull``)."""
+    ref = work / "reference" / "checkpoints"
+    size = sum(f.stat().st_size for f in ref.rglob("*") if f.is_file())
+    disk = work / "disk-tmpfs"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={int(2.6 * 1.4 * size)}", "tmpfs", str(disk)]
+    mounted = subprocess.run(mount, capture_output=True).returncode == 0
+    ckpts = disk / "checkpoints"
+    fault = "" if mounted else f"diskfull:rank=1:step={k}"
+    try:
+
+        def free_oldest() -> None:
+            oldest = sorted(ckpts.glob("step_*"))[0] if mounted else None
+            if oldest is not None:
+                shutil.rmtree(oldest)
+
+        row = _stopped(work, "disk", [*args, "--checkpoint-dir", str(ckpts)], fault,
+                       ["--keep", "1"], free_oldest)  # fmt: skip
+        row["tmpfs"] = mounted
+        return row
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 def _two_agents(
@@ -161,6 +246,8 @@ def main() -> int:
     ]  # fmt: skip
     run = [*common, "--nproc", str(n)]
     elastic = [*run, "--elastic"]
+    save = 4
+    issue43 = [*elastic, "--timeout", "30", "--save-every", str(save)]
     drills = {
         "rank2": lambda w: _train(w, "rank2", elastic, f"kill:rank=2:step={k}"),
         "restart": lambda w: _train(
@@ -196,6 +283,15 @@ def main() -> int:
         "during": lambda w: _train(
             w, "during", elastic, f"kill:rank=2:step={k}+kill:rank=0:step={k}:at=recovery"
         ),
+        # issue 43: losses outside the step, as the issue ran them
+        "commit": lambda w: _train(w, "commit", issue43, f"kill:rank=0:step={save * 2}:at=commit"),
+        "final": lambda w: _train(w, "final", issue43, f"kill:rank=1:step={a.steps}:at=save"),
+        "restore": lambda w: _train(
+            w, "restore", issue43, f"kill:rank=2:step={k}+kill:rank=0:step={k}:at=generation"
+        ),
+        "slot": lambda w: _train(w, "slot", issue43, f"kill:rank=2:step={k}:again=1"),
+        "launcher": lambda w: _stopped(w, "launcher", issue43, f"launcher:step={k}", []),
+        "disk": lambda w: _disk(w, issue43, save * 3),
     }
     chosen = [] if a.only == "none" else [d for d in (a.only.split(",") if a.only else drills)]
     rows: list[dict[str, Any]] = []
@@ -209,9 +305,9 @@ def main() -> int:
             steady["elastic"].append(_train(work, f"elastic{i}", elastic))
         for name in chosen:
             rows.append(drills[name](work))
-    base_wall = statistics.median(r["wall_s"] for r in steady["default"])
-    el_wall = statistics.median(r["wall_s"] for r in steady["elastic"])
-    for kind, runs in steady.items():
+    base_wall = statistics.median([r["wall_s"] for r in steady["default"]] or [0.0])
+    el_wall = statistics.median([r["wall_s"] for r in steady["elastic"]] or [0.0])
+    for kind, runs in steady.items() if a.rounds else ():
         print(
             f"steady {kind}: training {statistics.median(r['train_wall_s'] for r in runs)} s, "
             f"{statistics.median(r['tokens_per_s'] for r in runs)} tok/s, peak RSS "
@@ -252,6 +348,13 @@ def main() -> int:
         if r["name"] in ("step1", "hang", "zombie", "during"):
             for line in r["fault_lines"]:
                 print(f"    {line}", flush=True)
+        if r["name"] in ("commit", "final", "restore", "slot", "launcher", "disk"):
+            print(f"    tracebacks {r['tracebacks']}, C++ stack lines {r['stack_lines']}"
+                  + (f", resumed: status {r['resume_status']}" if "resume_status" in r else "")
+                  + (f", on a tmpfs: {r['tmpfs']}" if "tmpfs" in r else ""), flush=True)  # fmt: skip
+            for line in r.get("said") or _said(r.get("stderr_full", "")):
+                print(f"    said: {line}", flush=True)
+        r.pop("stderr_full", None)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"reference": ref, "steady": steady, "drills": rows}, indent=2))

@@ -9,6 +9,7 @@ launch under a fault (a rank killed and restarted) is tests/test_app_resume.py's
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 from pathlib import Path
@@ -153,12 +154,21 @@ def test_fault_specs() -> None:
         Fault("kill", 2, 6),
         Fault("freeze", 1, 4, secs=12.0, at="recovery"),
     )
-    with pytest.raises(FullshardError, match="at= is step, or recovery for kill"):
+    with pytest.raises(FullshardError, match="at= is step, or recovery, generation, save, commit"):
         parse("nan:rank=1:at=recovery")  # a NaN is a step's, not a recovery's
     with pytest.raises(FullshardError, match="at= is step"):
         parse("kill:at=later")
     assert parse("kill:step=3", TORCHELASTIC_RESTART_COUNT="1") is None  # a restarted attempt
     assert parse("kill:step=3", FULLSHARD_ELASTIC_JOIN="7") is None  # a replacement
+    # issue 43's moments, and a slot lost again: a replacement in it gets the fault too
+    assert parse("kill:rank=0:step=4:at=commit+kill:rank=2:step=4:again=1+diskfull:step=6") == (
+        Fault("kill", 0, 4, at="commit"),
+        Fault("kill", 2, 4, again=True),
+        Fault("diskfull", 0, 6),
+    )
+    assert parse("kill:rank=2:step=4:again=1+kill:step=5", FULLSHARD_ELASTIC_JOIN="7") == (
+        Fault("kill", 2, 4, again=True),
+    )
     assert fault_from_env({}) is None
 
 
@@ -179,3 +189,25 @@ def test_faults_fire_where_due(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(slept) == 1
     faults.at_recovery(6, 0)
     assert len(slept) == 2
+
+
+def test_checkpoint_faults_fire_at_their_point() -> None:
+    """``diskfull`` fails the rank's write of its step's checkpoint as a full disk does;
+    ``at=save`` and ``at=commit`` fire once the files, and the merged ``.metadata``, are written
+    (here a ``hang``, its sleep recorded)."""
+    faults = fault_from_env(
+        {"FULLSHARD_FAULT": "diskfull:rank=1:step=4+hang:rank=0:step=6:at=commit"}
+    )
+    assert faults is not None
+    faults.at_save("write", 4, 0)  # another rank
+    faults.at_save("write", 2, 1)  # another step
+    with pytest.raises(OSError, match="No space left on device") as full:
+        faults.at_save("write", 4, 1)
+    assert full.value.errno == errno.ENOSPC
+    slept: list[float] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(faults_mod.time, "sleep", slept.append)
+        faults.at_save("written", 6, 0)  # at=commit: not once the files are written
+        assert slept == []
+        faults.at_save("metadata", 6, 0)
+        assert len(slept) == 1

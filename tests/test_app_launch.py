@@ -152,8 +152,13 @@ if mode == "raise":  # an uncaught exception: its traceback and status 1, as `py
 if mode == "ok":  # the launcher validated: the ranks are told so
     sys.exit(0 if os.environ.get("FULLSHARD_VALIDATED") == "1" else 9)
 if mode == "input-error":  # what fullshard.app.errors.report_error does on a rank
+    marker = Path(os.environ["FULLSHARD_ERROR_MARKER"])
     if rank == "1":
-        Path(os.environ["FULLSHARD_ERROR_MARKER"]).write_text("--resume latest: bad shard")
+        marker.write_text("--resume latest: bad shard")
+    else:  # a real rank exits 65 only once the message is written (by it, or by a peer)
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
     sys.exit(65)
 if mode == "crash":
     sys.exit(3 if rank == "1" else 0)

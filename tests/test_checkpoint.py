@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import glob
 import os
+import shutil
+import time
 
 import pytest
 import torch
@@ -186,7 +188,9 @@ def _crash_mid_save(rank: int, world: int, root: str) -> dict:
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path: str) -> None:
     for res in run_ranks(_crash_mid_save, 2, str(tmp_path)):
         assert "previous checkpoint is still the latest" in res["error"], res  # on every rank
-        assert res["latest"] == "step_00000001" and res["partial_left"]
+        assert "failed on rank(s) [1] (OSError: disk full (injected))" in res["error"], res
+        # nothing is left half written: rank 0 removed the folder the failed save began
+        assert res["latest"] == "step_00000001" and not res["partial_left"]
         assert res["restored"]
 
 
@@ -367,3 +371,101 @@ def _load_nothing(rank: int, world: int, root: str) -> None:
     _, model, opt = _setup()
     msd, osd = get_state_dict(model, opt)
     CheckpointManager(root).load({"model": msd, "optim": osd})
+
+
+def _state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def _lost_in_a_commit(rank: int, world: int, root: str) -> str:
+    """NOTE [Saving without DCP's collectives]: rank 0 moves on (as to a recovery) once the
+    merged ``.metadata`` is written, without its verdict; rank 1 waits for that verdict. Under
+    live recovery its wait polls the membership's token, which fires here once rank 0 has
+    moved on: rank 1 gives up at once, where DCP's own broadcast waited out the timeout."""
+    from fullshard.comm.desync import Interrupt, Interrupted, set_interrupt
+
+    _, model, opt = _setup()
+    moved_on = os.path.join(root, "moved-on")
+    set_interrupt(Interrupt(lambda: os.path.exists(moved_on), "rank 0 moved on"))
+
+    def hook(point: str, step: int) -> None:
+        if point == "metadata":  # rank 0, after .metadata, before the commit
+            open(moved_on, "w").close()
+            raise RuntimeError("rank 0 left the save")
+
+    done = os.path.join(root, "rank-1-done")
+    try:
+        CheckpointManager(root, hook=hook).save(1, _state_of(model, opt))
+    except Interrupted as exc:
+        open(done, "w").close()
+        return f"interrupted: {exc}"
+    except RuntimeError as exc:
+        # alive, as a survivor in recovery is (its sockets stay open), until rank 1 is done
+        while not os.path.exists(done):
+            time.sleep(0.05)
+        return str(exc)
+    finally:
+        set_interrupt(None)
+    return "saved"
+
+
+def test_a_rank_waiting_in_a_save_gives_up_when_the_membership_moves_on(tmp_path: str) -> None:
+    # (the waits are bounded by the run's timeout, 600 s: far past the harness's deadline)
+    got = run_ranks(_lost_in_a_commit, 2, str(tmp_path))
+    assert got == ["rank 0 left the save", "interrupted: rank 0 moved on while this rank waited"]
+    assert latest_checkpoint(str(tmp_path)) is None  # never committed: never loaded
+
+
+def _disk_full(rank: int, world: int, root: str) -> dict:
+    """A full disk, found before a save (the newest checkpoint's size against the free space)
+    and at a rank's write (ENOSPC): the same error on every rank, naming the disk and the newest
+    complete checkpoint, and nothing left half written."""
+    import errno
+    from collections import namedtuple
+
+    from fullshard.checkpoint import store
+
+    _, model, opt = _setup()
+    mgr = CheckpointManager(root)
+    first = mgr.save(1, _state_of(model, opt))
+    out: dict = {}
+    usage = shutil.disk_usage(root)
+    small = namedtuple("usage", "total used free")(usage.total, usage.used, 1000)
+    real = store.shutil.disk_usage
+    store.shutil.disk_usage = lambda path: small  # type: ignore[assignment]
+    try:
+        mgr.save(2, _state_of(model, opt))
+    except store.CheckpointDiskFull as exc:
+        out["before"] = (str(exc), exc.newest)
+    finally:
+        store.shutil.disk_usage = real  # type: ignore[assignment]
+
+    def full(point: str, step: int) -> None:
+        if point == "write" and rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    mgr.hook = full
+    try:
+        mgr.save(3, _state_of(model, opt))
+    except store.CheckpointDiskFull as exc:
+        out["during"] = (str(exc), exc.newest)
+    dist.barrier()
+    out["left"] = sorted(os.listdir(root))
+    out["first"] = first
+    return out
+
+
+def test_a_full_disk_is_named_before_and_during_a_save(tmp_path: str) -> None:
+    for res in run_ranks(_disk_full, 2, str(tmp_path)):
+        first = res["first"]
+        before, newest = res["before"]
+        assert newest == first and before.startswith(f"the disk is full: {tmp_path} has 0.0 MiB"), (
+            res
+        )
+        assert f"Nothing was written; {first} is the newest complete checkpoint" in before
+        during, newest = res["during"]
+        assert newest == first, res
+        assert "saving checkpoint step 3" in during and "failed on rank(s) [1]" in during, during
+        assert "No space left on device" in during and f"still the latest ({first})" in during
+        assert res["left"] == ["step_00000001"], res  # no .partial of step 2 or step 3

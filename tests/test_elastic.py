@@ -351,7 +351,9 @@ def test_ring_neighbours_lost_together_end_the_job_naming_the_newest_checkpoint(
     newest = tmp_path / "both" / "checkpoints" / "step_00000004"
     # rank 1's copy was on rank 2 (lost too); rank 2's on rank 3, alive
     assert "the shards of rank(s) [1] of generation 0 are held by no survivor" in err, err
-    assert f"resume from the newest complete checkpoint with --resume {newest}" in err, err
+    assert f"the newest complete checkpoint is {newest}; resume with: fullshard train " in err
+    assert err.rstrip().endswith("--name both --save-every 2 --resume latest"), err
+    assert "Traceback" not in err, err
 
 
 @pytest.mark.e2e

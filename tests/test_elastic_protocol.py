@@ -7,6 +7,7 @@ for the outcome, bounded."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -16,8 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fullshard.elastic import settle, watcher
-from fullshard.elastic.membership import JobStore
+from fullshard.comm.desync import Interrupted
+from fullshard.elastic import manager, settle, watcher
+from fullshard.elastic.manager import Manager
+from fullshard.elastic.membership import JobFinished, JobStore, Membership
 from fullshard.elastic.pieces import Copies, HostCopy, choose_boundary, pieces_of
 from fullshard.elastic.settle import Settle
 
@@ -152,3 +155,99 @@ def test_a_dropped_boundary_buffer_is_filled_again() -> None:
     # two buffers in turn: boundary 2 fills boundary 0's, 3 fills 1's
     assert flats[2] is flats[0] and flats[3] is flats[1] and flats[1] is not flats[0]
     assert sorted(copies.own) == [2, 3]
+
+
+def test_a_process_waiting_to_join_outlives_the_timeout_and_leaves_when_the_job_ends(
+    store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43: a process waiting to join (a replacement, a survivor left out of a smaller
+    world) never gives up on a timeout of its own, whose Lost ended a job that went on without
+    it; it leaves when the job finishes (JobFinished: the trainer exits 0). The clock runs a
+    thousand seconds per look (a 1 s timeout long past after the first), and the job finishes
+    only once the waiting process has looked three times."""
+    clock = itertools.count(0.0, 1000.0)
+    monkeypatch.setattr(manager.time, "monotonic", lambda: next(clock))
+    mgr = Manager(_client(store).store, 9, world=4, joining=True, timeout_s=1.0)
+    looked = threading.Semaphore(0)
+    note = mgr.jobs.note
+
+    def counted(name: str) -> str | None:
+        looked.release()
+        return note(name)
+
+    monkeypatch.setattr(mgr.jobs, "note", counted)
+    out: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            out["got"] = mgr._admission(0, "left out of the smaller world")
+        except Exception as exc:  # (reported by the test)
+            out["got"] = exc
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    for _ in range(3):
+        assert looked.acquire(timeout=20), out
+    JobStore(store).set_note("finished", "1")
+    t.join(20)
+    assert isinstance(out["got"], JobFinished), out
+    assert "left out of the smaller world; the job finished" in str(out["got"])
+
+
+def test_a_member_left_out_of_a_world_that_finished_exits_with_status_0() -> None:
+    """Issue 43: JobFinished in a recovery is not a failed one (the left-out survivor used to
+    count it as a fourth failed recovery, and its give-up failed a job that trained to the end);
+    and the launcher reports a job that noted its end as a success."""
+    from fullshard.app.launch.elastic import job_status
+    from fullshard.app.train.elastic import _next_membership
+
+    class LeftOut:
+        member = 3
+
+        def recover(self, error: BaseException) -> None:
+            raise JobFinished("left out of the smaller world; the job finished")
+
+    with pytest.raises(SystemExit) as ended:
+        _next_membership(LeftOut(), RuntimeError("a peer was lost"), lambda: None)  # type: ignore[arg-type]
+    assert ended.value.code == 0
+    assert job_status([0, 0], finished=True, preempted=False) == 0
+    assert job_status([0, 1], finished=True, preempted=False) == 0  # one that ended badly after
+    assert job_status([0, 1], finished=False, preempted=False) == 1
+    assert job_status([75, 75], finished=False, preempted=True) == 75
+
+
+def test_a_generation_forms_only_once_every_member_arrived(store: dist.TCPStore) -> None:
+    """Issue 43: a member lost between a generation's decision and its process group's
+    rendezvous (the decider, the instant it wrote it) left the others in gloo's rendezvous for
+    the whole timeout. They wait for each other's arrival on the store instead, and give up as
+    soon as the membership moves on (here: member 0's exit reported), to settle the next."""
+    members = [0, 1, 2]
+    moved = threading.Event()
+
+    class Watching:
+        def changed(self, generation: int) -> bool:
+            return moved.is_set()
+
+    out: dict[int, Any] = {}
+
+    def arrive(member: int) -> None:
+        mgr = Manager(_client(store).store, member, world=3, timeout_s=300.0)
+        mgr._watcher = Watching()  # type: ignore[assignment]
+        try:
+            mgr._arrive(Membership(1, members, members.index(member)))
+            out[member] = "formed"
+        except Exception as exc:  # (reported by the test)
+            out[member] = exc
+
+    threads = [threading.Thread(target=arrive, args=(m,), daemon=True) for m in (1, 2)]
+    for t in threads:
+        t.start()
+    jobs = JobStore(store)
+    deadline = time.monotonic() + 20
+    while jobs.not_arrived(1, members) != [0] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert jobs.not_arrived(1, members) == [0]  # members 1 and 2 wait; member 0 never comes
+    moved.set()  # its exit is reported
+    for t in threads:
+        t.join(20)
+    assert all(isinstance(out[m], Interrupted) for m in (1, 2)), out

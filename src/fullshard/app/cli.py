@@ -15,7 +15,7 @@ import sys
 import time
 
 from fullshard.app.config import add_train_arguments, config_from_args, from_env, to_env
-from fullshard.app.errors import ConfigError
+from fullshard.app.errors import ConfigError, RunStopped
 from fullshard.policies import FullshardError
 
 __all__ = ["build_parser", "main"]
@@ -248,7 +248,7 @@ def _validated_by_launcher() -> bool:
     return under_torchrun() and os.environ.get(VALIDATED_ENV) == "1"
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from fullshard.app.dims import ParallelDims, under_torchrun
     from fullshard.app.launch.local import launch_local
 
@@ -270,7 +270,9 @@ def _train(args: argparse.Namespace) -> int:
         # the ranks get the validated config itself (their argv is just the command: torchrun's
         # own parser would claim abbreviations such as "--nproc", a prefix of its
         # --nproc-per-node)
-        env = {**os.environ, **to_env(cfg)}
+        from fullshard.app.errors import RESUME_ENV, resume_command
+
+        env = {**os.environ, **to_env(cfg), RESUME_ENV: resume_command(argv, cfg.name)}
         if cfg.elastic:
             from fullshard.app.launch.elastic import launch_elastic
 
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            return _train(args)
+            return _train(args, argv)
         if args.command == "convert":
             return _convert(args)
         if args.command == "prepare":
@@ -377,6 +379,13 @@ def main(argv: list[str] | None = None) -> int:
             return _trace(args)
         if args.command == "bench":
             return _bench(args)
+    except RunStopped as exc:  # an expected ending: one message for the job, its status
+        from fullshard.app.dims import under_torchrun
+        from fullshard.app.errors import report_error, say_once
+
+        if not (under_torchrun() and report_error(str(exc), exc.status)):
+            say_once(f"fullshard {args.command}: {exc}", "stopped")
+        return exc.status
     except ConfigError as exc:
         # NOTE [Input errors on the ranks]: a rank our launcher started hands the message to it
         from fullshard.app.dims import under_torchrun

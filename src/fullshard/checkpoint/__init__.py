@@ -19,10 +19,18 @@ if TYPE_CHECKING:  # the real imports, for type checkers and IDEs
         load_safetensors,
     )
     from fullshard.checkpoint.state_dict import get_state_dict, set_state_dict
-    from fullshard.checkpoint.store import CheckpointManager, latest_checkpoint, verify
+    from fullshard.checkpoint.store import (
+        CheckpointDiskFull,
+        CheckpointManager,
+        CheckpointSaveFailed,
+        latest_checkpoint,
+        verify,
+    )
 
 __all__ = [
+    "CheckpointDiskFull",
     "CheckpointManager",
+    "CheckpointSaveFailed",
     "LoadReport",
     "check_safetensors",
     "convert",
@@ -45,7 +53,9 @@ _SOURCES = {
     "load_safetensors": "fullshard.checkpoint.safetensors_load",
     "get_state_dict": "fullshard.checkpoint.state_dict",
     "set_state_dict": "fullshard.checkpoint.state_dict",
+    "CheckpointDiskFull": "fullshard.checkpoint.store",
     "CheckpointManager": "fullshard.checkpoint.store",
+    "CheckpointSaveFailed": "fullshard.checkpoint.store",
     "latest_checkpoint": "fullshard.checkpoint.store",
     "verify": "fullshard.checkpoint.store",
 }

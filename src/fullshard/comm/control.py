@@ -12,6 +12,7 @@ caller's choice of when to synchronise, once per step at most.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -19,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullshard.comm.collectives import all_gather, all_reduce, broadcast
+from fullshard.comm.collectives import _all_gather_single, all_gather, all_reduce, broadcast
+from fullshard.comm.desync import interrupt_for, moves_data, timed_wait
 from fullshard.comm.device import accepted_devices, as_host, comm_device
 from fullshard.comm.mesh import default_timeout
 from fullshard.policies import FullshardError
@@ -136,18 +138,85 @@ def all_gather_values(
     return out.view(world, -1)
 
 
+def _moves_host(group: dist.ProcessGroup | None) -> bool:
+    return "cpu" in accepted_devices(group)
+
+
+def _polled_objects(group: dist.ProcessGroup | None) -> bool:
+    """Whether objects travel in fullshard's polled collectives on ``group``: gloo, not a
+    group that moves no data (NOTE [Backends that move no data]: its work never completes to
+    a poll) nor NCCL (torch's objects go through the device)."""
+    return _moves_host(group) and moves_data(group)
+
+
+def _wait_host(work: dist.Work, group: dist.ProcessGroup | None, what: str) -> None:
+    """Wait for a gloo collective of host memory: bounded by the run's timeout, and under live
+    recovery polling the group's token (NOTE [Interrupts]: a peer lost meanwhile makes the wait
+    give up at once instead of at the timeout, wherever the lost peer sat in gloo's algorithm).
+    A peer's failure is gloo's ``RuntimeError``; a timeout says what did not finish."""
+    timeout = default_timeout()
+    if not timed_wait(work, timeout, interrupt_for(group)):
+        raise FullshardError(
+            f"rank {dist.get_rank()}: {what} did not finish within "
+            f"{timeout.total_seconds():.0f}s (a rank died or is stuck)"
+        )
+
+
+def _pickled(obj: Any) -> torch.Tensor:
+    return as_host(torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8))
+
+
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order (torch puts the bytes on the right device)."""
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    """Every rank's picklable ``obj``, in rank order.
+
+    On a group that moves host memory (gloo) the bytes travel in two bounded all-gathers whose
+    waits are fullshard's (NOTE [Interrupts]), not torch's ``all_gather_object``, whose
+    synchronous waits nothing but the timeout ends; elsewhere (NCCL: the watcher aborts the
+    communicators; a group that moves no data) torch's, which puts the bytes on the right
+    device."""
+    world = dist.get_world_size(group)
+    if not _polled_objects(group):
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    data = _pickled(obj)
+    # device="cpu" on every buffer of these paths: fully_shard may run inside a
+    # `with torch.device("meta")` (init on meta), which would make them meta tensors
+    sizes = as_host(torch.zeros(world, dtype=torch.int64, device="cpu"))
+    mine = as_host(torch.tensor([data.numel()], dtype=torch.int64, device="cpu"))
+    what = "all-gather of objects"
+    _wait_host(_all_gather_single(sizes, mine, group=group, async_op=True), group, what)
+    counts = sizes.tolist()
+    top = max(counts)
+    padded = as_host(torch.zeros(top, dtype=torch.uint8, device="cpu"))
+    padded[: data.numel()] = data
+    got = as_host(torch.empty(world * top, dtype=torch.uint8, device="cpu"))
+    _wait_host(_all_gather_single(got, padded, group=group, async_op=True), group, what)
+    return [
+        pickle.loads(got[i * top : i * top + n].numpy().tobytes()) for i, n in enumerate(counts)
+    ]
 
 
 def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
-    """Rank ``src``'s picklable ``obj``, on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    """Rank ``src``'s picklable ``obj``, on every rank (waits as :func:`all_gather_objects`')."""
+    if not _polled_objects(group):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+    mine = dist.get_rank() == src
+    data = _pickled(obj) if mine else None
+    size = as_host(
+        torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device="cpu")
+    )
+    what = "broadcast of an object"
+    _wait_host(dist.broadcast(size, src=src, group=group, async_op=True), group, what)
+    buf = (
+        data
+        if data is not None
+        else as_host(torch.empty(int(size.item()), dtype=torch.uint8, device="cpu"))
+    )
+    _wait_host(dist.broadcast(buf, src=src, group=group, async_op=True), group, what)
+    return obj if mine else pickle.loads(buf.numpy().tobytes())
 
 
 def broadcast_tensor(
@@ -178,38 +247,38 @@ def ring_exchange(
 ) -> list[torch.Tensor]:
     """Send this rank's host uint8 ``payloads`` (any lengths) to the rank ``distance`` ahead in
     rank order and return those of the rank ``distance`` behind (``fullshard.elastic``'s ring
-    copies): their sizes first, then each, one send and one receive a payload. Everything stays
-    on the host, so ``group`` must move CPU tensors (gloo). The waits are the process group's
-    own, bounded by its timeout (a gloo send's work never reports itself complete to a poll, so
-    ``timed_wait``'s polling under ``--elastic`` would wait out its deadline; measured).
-    ``reuse``: receive buffers to fill again where the sizes match (one per payload), instead
-    of allocating new ones."""
-    if "cpu" not in accepted_devices(group):
+    copies): their sizes first, then each payload. Everything stays on the host, so ``group``
+    must move CPU tensors (gloo). Each transfer is an all-to-all in which only the ring pairs
+    carry bytes, not a send and a receive: a gloo send's work never reports itself complete to
+    a poll (measured), so its wait could not give up when the membership changes, while an
+    all-to-all's wait polls (NOTE [Interrupts]) and is bounded by the run's timeout. ``reuse``:
+    receive buffers to fill again where the sizes match (one per payload), instead of
+    allocating new ones."""
+    if not _moves_host(group):
         raise FullshardError("ring_exchange moves host bytes: give it a gloo group")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     nxt, prv = (rank + distance) % world, (rank - distance) % world
-    if group is not None:  # P2P ops name global ranks
-        nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
-
-    def swap(send: torch.Tensor, recv: torch.Tensor) -> None:
-        ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
+    n = len(payloads)
     # host memory on a GPU machine too (made from data, or marked: the CUDA emulation's
     # all-device mode would otherwise take a plain CPU buffer for device memory)
-    sizes = torch.tensor([p.numel() for p in payloads], dtype=torch.int64)
-    theirs = torch.tensor([0] * len(payloads), dtype=torch.int64)
-    swap(sizes, theirs)
+    sizes = as_host(torch.zeros(world, n, dtype=torch.int64, device="cpu"))
+    sizes[nxt] = torch.tensor([p.numel() for p in payloads], dtype=torch.int64, device="cpu")
+    theirs = as_host(torch.zeros(world, n, dtype=torch.int64, device="cpu"))
+    what = "ring exchange of copies"
+    _wait_host(dist.all_to_all_single(theirs, sizes, group=group, async_op=True), group, what)
     got: list[torch.Tensor] = []
-    old: list[torch.Tensor | None] = [*reuse, *[None] * (len(payloads) - len(reuse))]
-    for payload, size, buf in zip(payloads, theirs.tolist(), old, strict=True):
+    old: list[torch.Tensor | None] = [*reuse, *[None] * (n - len(reuse))]
+    for payload, size, buf in zip(payloads, theirs[prv].tolist(), old, strict=True):
         if buf is not None and buf.numel() == size and buf.dtype == torch.uint8:
             into = buf
         else:
-            into = as_host(torch.empty(size, dtype=torch.uint8))
+            into = as_host(torch.empty(size, dtype=torch.uint8, device="cpu"))
         send = payload.contiguous()
-        swap(send if send.is_pinned() else as_host(send), into)
+        send = send if send.is_pinned() else as_host(send)
+        outs, ins = [0] * world, [0] * world
+        outs[prv], ins[nxt] = size, send.numel()
+        work = dist.all_to_all_single(into, send, outs, ins, group=group, async_op=True)
+        _wait_host(work, group, what)
         got.append(into)
     return got
 
@@ -219,17 +288,20 @@ def all_to_all_bytes(
 ) -> list[torch.Tensor]:
     """Every rank's host uint8 ``sends[r]`` (any lengths) to rank ``r``; what each rank sent
     this one, in rank order: the sizes first (one small all-to-all), then the bytes (one
-    all-to-all of uneven blocks). Host memory on a gloo ``group``, as :func:`ring_exchange`."""
-    if "cpu" not in accepted_devices(group):
+    all-to-all of uneven blocks). Host memory on a gloo ``group``, waits as
+    :func:`ring_exchange`'s."""
+    if not _moves_host(group):
         raise FullshardError("all_to_all_bytes moves host bytes: give it a gloo group")
     world = dist.get_world_size(group)
     if len(sends) != world:
         raise ValueError(f"all_to_all_bytes needs one block per rank ({world}), got {len(sends)}")
-    sizes = as_host(torch.tensor([s.numel() for s in sends], dtype=torch.int64))
-    theirs = as_host(torch.zeros(world, dtype=torch.int64))
-    dist.all_to_all_single(theirs, sizes, group=group)
+    what = "all-to-all of restore blocks"
+    sizes = as_host(torch.tensor([s.numel() for s in sends], dtype=torch.int64, device="cpu"))
+    theirs = as_host(torch.zeros(world, dtype=torch.int64, device="cpu"))
+    _wait_host(dist.all_to_all_single(theirs, sizes, group=group, async_op=True), group, what)
     send = as_host(torch.cat([s.reshape(-1) for s in sends]) if world else sizes[:0])
     counts = theirs.tolist()
-    recv = as_host(torch.empty(sum(counts), dtype=torch.uint8))
-    dist.all_to_all_single(recv, send, counts, sizes.tolist(), group=group)
+    recv = as_host(torch.empty(sum(counts), dtype=torch.uint8, device="cpu"))
+    work = dist.all_to_all_single(recv, send, counts, sizes.tolist(), group=group, async_op=True)
+    _wait_host(work, group, what)
     return list(recv.split(counts))

@@ -479,17 +479,19 @@ def store_exchange(
 ) -> list[list[int]] | None:
     """Every rank's ``values`` (the group's rank order) through the job's c10d store instead
     of a collective: on the host path a check that must not add a collective (nor be counted
-    as one) exchanges this way. ``None`` when no store is reachable. A rank that does not
-    arrive within ``timeout`` is named in a ``DesyncError``."""
+    as one) exchanges this way. ``None`` when no store is reachable, or the store's host was
+    lost (live recovery's store, NOTE [Losing the store]: every rank's store fails alike, and
+    the caller exchanges by a collective). A rank that does not arrive within ``timeout`` is
+    named in a ``DesyncError``."""
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:
         return None
     ranks = _ranks(group, dist.get_world_size(group))
-    store.set(f"{key}/{dist.get_rank()}", ",".join(map(str, values)))
     keys = [f"{key}/{r}" for r in ranks]
     interrupt = interrupt_for(group)
     try:
+        store.set(f"{key}/{dist.get_rank()}", ",".join(map(str, values)))
         if interrupt is None:
             store.wait(keys, timeout)
         else:  # NOTE [Interrupts]: under live recovery the wait polls, as collectives' do
@@ -500,15 +502,17 @@ def store_exchange(
                     raise TimeoutError(key)
                 time.sleep(pause)
                 pause = min(pause * 2, 2e-3)
+        return [[int(v) for v in store.get(k).decode().split(",") if v] for k in keys]
     except Interrupted:
         raise
+    except dist.DistNetworkError:
+        return None
     except Exception:
         missing = [r for r, k in zip(ranks, keys, strict=True) if not store.check([k])]
         raise DesyncError(
             f"rank {dist.get_rank()}: rank(s) {missing} did not reach {what} within "
             f"{timeout.total_seconds():.0f}s (they ran other collectives, or stopped)."
         ) from None
-    return [[int(v) for v in store.get(k).decode().split(",") if v] for k in keys]
 
 
 def store_round(name: str, group: dist.ProcessGroup | None) -> int | None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fullshard.comm.desync import Interrupted
 from fullshard.elastic.membership import (
     JOIN_ENV,
     MEMBER_ENV,
@@ -38,11 +39,13 @@ from fullshard.elastic.pieces import (
 )
 from fullshard.elastic.restore import restore_boundary
 from fullshard.elastic.settle import Settle
-from fullshard.elastic.watcher import Watcher
+from fullshard.elastic.watcher import Watcher, quiet_cpp_warnings
 
 __all__ = ["Aborted", "Layout", "Manager", "Regroup", "abort_groups"]
 
 MEMBERSHIP = "_fullshard_membership"  # the loop state's key for the history of changes
+ENTRY_ATTEMPTS = 4  # generations in a row that may lose a member before they form
+ADMISSION_LOOK_S = 0.1  # how often a process waiting to join looks for its admission
 
 
 class Aborted(Lost):
@@ -164,7 +167,9 @@ class Manager:
     ``accepts(world)``: the world sizes the job can run at; ``layout(world)``: where copies live
     (:class:`Layout`; default every rank its own key, ring neighbours); ``device``: the model's
     device (CUDA: copies on a side stream, NOTE [Ring copies]); ``address``: the store's
-    ``(host, port)`` for the watcher thread (default ``MASTER_ADDR``/``MASTER_PORT``).
+    ``(host, port)`` for the watcher thread (default ``MASTER_ADDR``/``MASTER_PORT``);
+    ``hook(point, generation)``, for fault drills: called with ``"settled"`` once the record of a
+    generation this member enters is in hand, before it forms.
     """
 
     def __init__(
@@ -182,8 +187,10 @@ class Manager:
         layout: Callable[[int], Layout] | None = None,
         device: torch.device | None = None,
         address: tuple[str, int] | None = None,
+        hook: Callable[[str, int], None] | None = None,
     ) -> None:
         self.jobs = JobStore(store)
+        self.hook = hook
         self.store, self.member, self.world0 = store, member, world
         self.joining, self.replaces = joining, replaces
         self.backend, self.timeout_s, self.every = backend, timeout_s, max(1, every)
@@ -203,6 +210,8 @@ class Manager:
         self._failed_at: float | None = None
         self.progress = -1  # the training loop's newest step boundary
         self.restored_bytes = 0  # bytes this rank received in its last restore
+        self.restored = False  # whether this process restored a boundary (it holds state)
+        self._formed = -1  # the newest generation whose process group this member formed
         self._joins_seen = 0
         self._watcher: Watcher | None = None
         self._stream: Any = None
@@ -221,6 +230,7 @@ class Manager:
             timeout=timeout,
             wait_for_workers=False,
         )
+        quiet_cpp_warnings()  # NOTE [Losing the store]: fullshard reports the store's failures
         joining = bool(os.environ.get(JOIN_ENV))
         member = os.environ.get(MEMBER_ENV)
         if member is None:
@@ -245,11 +255,14 @@ class Manager:
             if self.joining:
                 newest = self.jobs.latest()  # before asking: the admission may come at once
                 self.jobs.ask_join(self.member, self.replaces)
-                return self._wait_admitted(newest, "asked to join")
+                return self._join_settled(*self._admission(newest, "asked to join"))
             if self.member == 0 and not self.jobs.has_generation(0):
                 self.jobs.reserve_ids(self.world0)
                 self.jobs.write_generation(0, {"members": list(range(self.world0))})
-            return self._enter(0, self._wait_for(0, "joining"))
+            try:
+                return self._enter(0, self._wait_for(0, "joining"))
+            except Interrupted:
+                raise Lost("a rank was lost before the job's first step") from None
 
     def _wait_for(self, g: int, why: str) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout_s
@@ -260,23 +273,45 @@ class Manager:
             time.sleep(0.02)
         return record
 
-    def _wait_admitted(self, newest: int, why: str) -> Membership:
-        """Wait (at most the timeout) for a generation after ``newest`` that has this member."""
-        deadline = time.monotonic() + self.timeout_s
+    def _admission(self, newest: int, why: str) -> tuple[int, dict[str, Any]]:
+        """The first generation after ``newest`` that has this member, and its record. A process
+        waiting to join waits as long as the job runs: it ends when the job ends
+        (:class:`JobFinished`, :class:`Aborted`), never on a timeout of its own, so that it
+        cannot end a job that goes on without it."""
         g = newest + 1
         while True:
             record = self.jobs.generation(g)
             if record is not None and self.member in record["members"]:
-                return self._enter(g, record)
+                return g, record
             if record is not None:
                 g += 1
                 continue
             self._check_abort()
-            if self.jobs.note("finished") is not None:
-                raise JobFinished(f"the job finished before member {self.member} was admitted")
-            if time.monotonic() > deadline:
-                raise Lost(f"{why}, and no generation admitted member {self.member} in {self._t()}")
-            time.sleep(0.02)
+            if self.jobs.note("finished"):
+                raise JobFinished(
+                    f"{why}; the job finished before member {self.member} was admitted"
+                )
+            time.sleep(ADMISSION_LOOK_S)
+
+    def _join_settled(self, g: int, record: dict[str, Any]) -> Membership:
+        """Enter generation ``g`` (settled: its record is written). A member of it lost before
+        it formed makes the others settle the next generation, this member among them (it may
+        be left out: it then waits to join again), and so on, at most ENTRY_ATTEMPTS times."""
+        for _ in range(ENTRY_ATTEMPTS):
+            if self.member not in record["members"]:
+                self.copies.clear()  # left out: its state is no one's now; back as a joiner
+                self.jobs.ask_join(self.member, None)
+                g, record = self._admission(g, "left out of the smaller world")
+                continue
+            self._at("settled", g)
+            try:
+                return self._enter(g, record)
+            except Interrupted as exc:  # a member of g was lost before g formed
+                g += 1
+                record = self.jobs.generation(g) or self._settle(g, exc)
+                if record.get("unchanged"):
+                    raise Lost(f"generation {g - 1} did not form, and no rank was lost") from None
+        raise Lost(f"{ENTRY_ATTEMPTS} generations in a row lost a member before they formed")
 
     def _t(self) -> str:
         return f"{self.timeout_s:.0f} s"
@@ -286,11 +321,19 @@ class Manager:
         if message is not None:
             raise Aborted(message)
 
+    def _at(self, point: str, generation: int) -> None:
+        if self.hook is not None:
+            self.hook(point, generation)
+
     def _enter(self, g: int, record: dict[str, Any]) -> Membership:
-        """Join generation ``g``'s process group (a key prefix of its own)."""
+        """Join generation ``g``'s process group (a key prefix of its own), once every member
+        has arrived (:meth:`_arrive`)."""
         m = Membership.of(g, record, self.member)
         with _ABORTING:  # a watcher's abort of the last generation's groups is over, or moot
             self.generation = g
+        self.membership = m
+        self._start_watcher()
+        self._arrive(m)
         if self.backend == "nccl":  # the watchdog aborts a failed communicator, but leaves
             # the process alive to recover (torch's default tears it down)
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
@@ -303,16 +346,33 @@ class Manager:
         )
         gloo = self.backend == "gloo"
         self.host_group = None if gloo else dist.new_group(backend="gloo")
-        self.membership = m
+        self._formed = g
         self._watch()
         return m
 
-    def _watch(self) -> None:
-        """Start the watcher thread (once), and give this generation's groups a way out of
-        their waits that fires once the watcher sees the membership move past it (NOTE
-        [Interrupts]: their units' and the control plane's waits poll it)."""
-        from fullshard.comm.desync import Interrupt, set_interrupt
+    def _arrive(self, m: Membership) -> None:
+        """Wait until every member of ``m``'s generation has arrived to form its process group.
+        The group's own rendezvous (gloo's, NCCL's) waits for every member in C++, where only
+        its timeout ends the wait: a member lost between the generation's decision and its
+        rendezvous (the decider itself, the instant it wrote it) left the others there for the
+        whole timeout. This wait looks at the store and gives up when the membership moves on
+        (:class:`Interrupted`: the others settle the next generation)."""
+        g = m.generation
+        self.jobs.arrive(g, self.member)
+        deadline = time.monotonic() + self.timeout_s
+        watcher = self._watcher
+        while not self.jobs.all_arrived(g, m.members):
+            self._check_abort()
+            if watcher is not None and watcher.changed(g):
+                raise Interrupted(f"the job's membership changed while generation {g} formed")
+            if time.monotonic() > deadline:
+                missing = self.jobs.not_arrived(g, m.members)
+                raise Lost(f"member(s) {missing} did not arrive for generation {g} in {self._t()}")
+            time.sleep(0.02)
 
+    def _start_watcher(self) -> None:
+        """Start the watcher thread (once): heartbeat, progress, the news (NOTE
+        [Generations])."""
         if self._watcher is None and self.address is not None:
             host, port = self.address
             on_change = self._abort_device_groups if self.backend == "nccl" else None
@@ -320,18 +380,43 @@ class Manager:
                 host, port, self.member, lambda: self.generation, on_change,
                 progress=lambda: self.progress, neighbour=self._neighbour, members=self._members,
             )  # fmt: skip
+
+    def _watch(self) -> None:
+        """Give this generation's groups a way out of their waits that fires once the watcher
+        sees the membership move past it (NOTE [Interrupts]: their units' and the control
+        plane's waits poll it)."""
+        from fullshard.comm.desync import Interrupt, set_interrupt
+
         watcher = self._watcher
         if watcher is not None:
             g = self.generation
             set_interrupt(Interrupt(lambda: watcher.changed(g), "the job's membership changed"))
 
+    @property
+    def store_lost(self) -> str | None:
+        """Why the job's store became unreachable (its host, the launcher, was lost), as the
+        watcher saw it; ``None`` while it answers."""
+        return None if self._watcher is None else self._watcher.store_lost
+
     def _members(self) -> list[int]:
         return [] if self.membership is None else self.membership.members
 
     def _neighbour(self) -> int | None:
-        """The member whose heartbeat this one's watcher watches (the next rank's)."""
+        """The member whose heartbeat this one's watcher watches (the next rank's), once this
+        generation has formed: before, a newcomer to it may not beat yet (a process waiting to
+        join has no watcher), and its silence is no sign of a loss."""
         m = self.membership
-        return None if m is None or m.world < 2 else m.members[(m.rank + 1) % m.world]
+        if m is None or m.world < 2 or self._formed != m.generation:
+            return None
+        return m.members[(m.rank + 1) % m.world]
+
+    @property
+    def stateless(self) -> bool:
+        """Whether this process holds no train state yet: a process that joined a running job
+        and has not restored a boundary. (It may be a member of a later generation than the one
+        that admitted it, when a member of that one was lost before it formed: it is then no
+        newcomer to the generation, but still has everything to receive.)"""
+        return self.joining and not self.restored
 
     def join_waiting(self) -> bool:
         """Whether processes wait to join that the next boundary can admit (enough of them
@@ -357,8 +442,12 @@ class Manager:
         whole = self.membership is not None and self.membership.world >= self.world0
         return whole or self.join_waiting()
 
-    def finish(self) -> None:
-        """The job is done (rank 0, at the end): processes still waiting to join leave."""
+    def finish(self, *, complete: bool = True) -> None:
+        """The job is done (rank 0, at the end): processes still waiting to join leave.
+        ``complete``: it trained to the end (not stopped early), which its launcher reports as a
+        success whatever a process does afterwards."""
+        if complete:
+            self.jobs.set_note("complete", "1")
         self.jobs.set_note("finished", "1")
 
     def _abort_device_groups(self, generation: int) -> None:
@@ -406,11 +495,7 @@ class Manager:
                     "a step failed, and no rank was lost: "
                     + "; ".join(f"rank {r}: {why}" for r, why in record["errors"])
                 )
-            if self.member in record["members"]:
-                return self._enter(target, record)
-            self.copies.clear()  # left out: its state is no one's now; it comes back as a joiner
-            self.jobs.ask_join(self.member, None)
-            return self._wait_admitted(target, "left out of the smaller world")
+            return self._join_settled(target, record)
 
     def _settle(self, target: int, error: BaseException) -> dict[str, Any]:
         """Check in for generation ``target`` and wait until it is written (NOTE
@@ -549,6 +634,7 @@ class Manager:
             model, optimizer, self.copies, self.member, m.rank, m.generation, self.host_group
         )
         self.changes = list(loop_state.pop(MEMBERSHIP, []))
+        self.restored = True
         state.clear()
         state.update(loop_state)
         self.copies.clear()  # another generation's layout: the next boundary copies anew

@@ -275,6 +275,17 @@ class JobStore:
     def has_generation(self, g: int) -> bool:
         return bool(self.store.check([_key("gen", g)]))
 
+    # forming a generation (Manager._arrive)
+    def arrive(self, g: int, member: int) -> None:
+        """``member`` is ready to form generation ``g``'s process group."""
+        self.store.set(_key("arrived", g, member), "1")
+
+    def all_arrived(self, g: int, members: list[int]) -> bool:
+        return bool(self.store.check([_key("arrived", g, m) for m in members]))
+
+    def not_arrived(self, g: int, members: list[int]) -> list[int]:
+        return [m for m in members if not self.store.check([_key("arrived", g, m)])]
+
     # losses
     def check_in(self, g: int, member: int, info: dict[str, Any]) -> None:
         self._append(_key("ready", g), {"member": member, **info})

@@ -17,9 +17,13 @@ instead:
   lets the ranks decide at once, without waiting for the dead rank's heartbeat to go quiet, and
   tells them a replacement is on its way.
 
-It ends with 0 when every member of the newest generation finished, 2 with one message for bad
-input found on a rank, 1 when the ranks gave up (a message naming the newest checkpoint), and
-124 after ``timeout_s``.
+It ends with 0 when the job finished (every member of the newest generation finished, or the
+last rank 0 noted the end: a process that exits badly afterwards does not fail a job that
+trained to the end), 2 with one message for bad input found on a rank, the status a rank's
+:class:`~fullshard.app.errors.RunStopped` carries (a full disk: 1) with its one message, 1 when
+the ranks gave up (a message naming the newest checkpoint and the command that resumes it), and
+124 after ``timeout_s``. Its own loss (it hosts the store) is survived by the ranks as far as
+can be: they stop, checkpoint and say so themselves (NOTE [Losing the store]).
 
 **torchrun --rdzv-backend fullshard.** torchrun's own ``c10d`` rendezvous makes every agent
 restart its healthy workers when a new node arrives (``num_nodes_waiting() > 0``), so a
@@ -52,7 +56,7 @@ import tempfile
 import time
 from typing import Any
 
-__all__ = ["LAUNCHER_ENV", "RDZV_ENV", "launch_elastic"]
+__all__ = ["LAUNCHER_ENV", "RDZV_ENV", "job_status", "launch_elastic"]
 
 RDZV_ENV = (
     "FULLSHARD_ELASTIC_RDZV"  # set in an agent by app/launch/rendezvous.py: its workers inherit it
@@ -60,6 +64,26 @@ RDZV_ENV = (
 
 
 LAUNCHER_ENV = "FULLSHARD_ELASTIC_LAUNCHER"  # set for its ranks: the launcher says the last word
+
+
+def job_status(statuses: list[int | None], finished: bool, preempted: bool) -> int:
+    """The launcher's exit status once every process ended: ``statuses``, the newest
+    generation's members' exit statuses; ``finished``, whether the job noted that it trained to
+    the end; ``preempted``, whether a stop signal's checkpoint was reported. A job that trained to
+    the end succeeded, whatever a process did after it (a member that exited badly on its way
+    out is named)."""
+    from fullshard.app.launch.preempt import PREEMPTED_EXIT
+
+    bad = [s for s in statuses if s not in (0, PREEMPTED_EXIT)]
+    if finished:
+        if bad:
+            print(f"fullshard: the job trained to the end (its final checkpoint is complete); "
+                  f"exit statuses {bad} came after it", file=sys.stderr)  # fmt: skip
+        return 0
+    if not bad:
+        return PREEMPTED_EXIT if preempted else 0
+    print("fullshard: every rank exited, some with an error", file=sys.stderr)
+    return 1
 
 
 def launch_elastic(
@@ -75,10 +99,10 @@ def launch_elastic(
     (see the module docstring). Call it after validating ``argv``."""
     import torch.distributed as dist
 
-    from fullshard.app.errors import ERROR_MARKER_ENV, VALIDATED_ENV, read_error
+    from fullshard.app.errors import ERROR_MARKER_ENV, RESUME_ENV, VALIDATED_ENV, read_report
     from fullshard.app.launch.local import RANK_PRELOAD, run_rank, start_helpers
     from fullshard.app.launch.preempt import MARKER_ENV, PREEMPTED_EXIT, ForwardSignals, read_marker
-    from fullshard.app.train.faults import fault_from_env
+    from fullshard.app.train.faults import LAUNCHER_PID_ENV, fault_from_env
     from fullshard.elastic.membership import (
         JOIN_ENV,
         MEMBER_ENV,
@@ -101,8 +125,10 @@ def launch_elastic(
             "TORCHELASTIC_RESTART_COUNT": "0",
             "LOCAL_WORLD_SIZE": str(nproc),
             "WORLD_SIZE": str(nproc),
+            LAUNCHER_PID_ENV: str(os.getpid()),  # (a drill's ``launcher`` fault)
         }
     )
+    resume = base.get(RESUME_ENV) or "the same command with --resume latest"
     ctx = multiprocessing.get_context("forkserver")
     fault = fault_from_env(base)
     spared = set() if fault is None else fault.frozen_ranks()  # member ids 0.. are the ranks
@@ -114,9 +140,8 @@ def launch_elastic(
 
     def start(member: int, slot: int, replaces: int | None) -> None:
         child = {**base, MEMBER_ENV: str(member), "RANK": str(slot), "LOCAL_RANK": str(slot)}
-        if replaces is not None:
+        if replaces is not None:  # (a drill's faults fire in it only when marked again=1)
             child.update({JOIN_ENV: "1", REPLACES_ENV: str(replaces)})
-            child["FULLSHARD_FAULT"] = ""  # a drill fires in the first process only
         p = ctx.Process(target=run_rank, args=(child, module, list(argv)), daemon=False)
         p.start()
         procs[member], slots[member] = p, slot
@@ -154,11 +179,14 @@ def launch_elastic(
                 stop_all()
                 print(f"fullshard: launch timed out after {timeout_s:.0f} s", file=sys.stderr)
                 return 124
-            message = read_error(error)
-            if message is not None:
+            report = read_report(error)
+            if report is not None:
+                message, stopped = report
+                time.sleep(0.5 if stopped is not None else 0)  # the ranks leave by themselves
                 stop_all()
-                print(f"fullshard {argv[0]}: error: {message}", file=sys.stderr)
-                return 2
+                said = "" if stopped is not None else "error: "
+                print(f"fullshard {argv[0]}: {said}{message}", file=sys.stderr)
+                return 2 if stopped is None else stopped
             aborted = jobs.aborted()
             if aborted is not None:
                 time.sleep(1.0)  # the ranks read it and leave
@@ -180,10 +208,13 @@ def launch_elastic(
                 # a rank that stopped on a stop signal, checkpointed, is not lost
                 if p.exitcode not in (None, 0, PREEMPTED_EXIT) and member not in reported:
                     lost.setdefault(member, f"exited with status {p.exitcode}")
-            lost_now = bool(lost)
+            finished = jobs.note("complete") is not None  # the job trained to the end
+            lost_now = bool(lost) and not finished
             for member, what in sorted(lost.items()):
                 p = procs[member]
                 reported.add(member)
+                if finished:  # after the end: nothing to recover, no one to replace
+                    continue
                 print(f"fullshard: member {member} (pid {p.pid}) {what}; the other ranks keep "
                       "running", file=sys.stderr, flush=True)  # fmt: skip
                 if replaced >= max_replacements:  # the others go on without it, if they can
@@ -196,10 +227,8 @@ def launch_elastic(
             if lost_now and all(p.exitcode not in (None, 0) for p in newest_members()):
                 jobs.abort(  # no survivor holds a copy, nor can decide the next membership
                     "--elastic cannot recover in memory: every rank of the job was lost at once; "
-                    "resume from the newest complete checkpoint with --resume latest"
+                    f"resume from the newest complete checkpoint: {resume}"
                 )
             if all(p.exitcode is not None for p in procs.values()):
-                if all(p.exitcode in (0, PREEMPTED_EXIT) for p in newest_members()):
-                    return PREEMPTED_EXIT if read_marker(marker) is not None else 0
-                print("fullshard: every rank exited, some with an error", file=sys.stderr)
-                return 1
+                statuses = [p.exitcode for p in newest_members()]
+                return job_status(statuses, finished, read_marker(marker) is not None)

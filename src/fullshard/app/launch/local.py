@@ -39,7 +39,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from fullshard.app.config import BACKENDS, DEVICES
 from fullshard.app.dims import ParallelDims, under_torchrun
-from fullshard.app.errors import ERROR_MARKER_ENV, VALIDATED_ENV, ConfigError, read_error
+from fullshard.app.errors import ERROR_MARKER_ENV, VALIDATED_ENV, ConfigError, read_report
 from fullshard.app.launch.preempt import (
     MARKER_ENV,
     PREEMPTED_EXIT,
@@ -338,9 +338,14 @@ def launch_local(
             status = 1
         if read_marker(marker) is not None:
             return PREEMPTED_EXIT
-        message = read_error(error)
-    if message is not None:
-        print(f"fullshard {argv[0] if argv else module}: error: {message}", file=sys.stderr)
+        report = read_report(error)
+    if report is not None:
+        message, stopped = report
+        command = argv[0] if argv else module
+        if stopped is not None:  # a run that ended on an expected condition (RunStopped)
+            print(f"fullshard {command}: {message}", file=sys.stderr)
+            return stopped
+        print(f"fullshard {command}: error: {message}", file=sys.stderr)
         return 2
     if signals.timed_out:
         print(f"fullshard: launch timed out after {timeout_s:.0f} s: {argv}", file=sys.stderr)

@@ -21,19 +21,33 @@
   as step S starts, as if preempted there; with ``repeat=2`` it sends the same signal again as
   the preemption checkpoint's save starts (a second signal during the save).
 
-With ``at=recovery`` a fault fires instead when rank R (its rank in the generation that failed)
-starts recovering from a failure in step S or later, once the next generation is settled and
-before its state is restored: a loss during a recovery (``kill``, ``node``, ``hang``, ``freeze``).
+- ``launcher``: the process SIGKILLs fullshard's ``--elastic`` launcher, which hosts the job's
+  store (NOTE [Losing the store]);
+- ``diskfull``: the rank's write of step S's checkpoint fails as on a full disk (ENOSPC).
+
+With ``at=`` a fault fires at another moment than the start of step S (``kill``, ``node``,
+``hang``, ``freeze``):
+
+- ``at=recovery``: when rank R (its rank in the generation that failed) starts recovering from a
+  failure in step S or later, once the next generation has formed and before its state is
+  restored (a loss during a recovery);
+- ``at=generation``: when rank R has the record of the generation after a failure in step S or
+  later, the instant it is written, before it forms (a loss while the others restore);
+- ``at=save``: when rank R's files of step S's checkpoint are written, before the commit;
+- ``at=commit``: on rank 0, when step S's checkpoint's ``.metadata`` is written, before the
+  commit (a loss during a checkpoint's commit).
 
 Faults fire only in the first attempt of a job (``TORCHELASTIC_RESTART_COUNT`` 0), so that a run
 under ``torchrun --max-restarts`` can show its recovery, and only in the first process of a rank
-(``--elastic``'s replacements get none). Several faults are joined with ``+``:
-``kill:rank=2:step=4+kill:rank=0:step=7``.
+(``--elastic``'s replacements get none), unless marked ``again=1``: then a replacement that
+takes rank R's slot gets it too (the same slot lost again and again). Several faults are joined
+with ``+``: ``kill:rank=2:step=4+kill:rank=0:step=7``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -48,8 +62,13 @@ from fullshard.policies import FullshardError
 
 __all__ = ["Fault", "Faults", "NonFiniteError", "agree_step", "fault_from_env"]
 
-KINDS = ("kill", "node", "hang", "freeze", "hold", "nan", "signal", "cudaerror")
-AT_RECOVERY = ("kill", "node", "hang", "freeze")  # the kinds that may fire at=recovery
+KINDS = ("kill", "node", "hang", "freeze", "hold", "nan", "signal", "cudaerror", "launcher",
+         "diskfull")  # fmt: skip
+AT_RECOVERY = ("kill", "node", "hang", "freeze")  # the kinds that may fire at another moment
+MOMENTS = ("step", "recovery", "generation", "save", "commit")
+LAUNCHER_PID_ENV = (
+    "FULLSHARD_LAUNCHER_PID"  # fullshard's --elastic launcher's pid, for ``launcher``
+)
 
 
 class NonFiniteError(FullshardError):
@@ -64,7 +83,8 @@ class Fault:
     sig: signal.Signals = signal.SIGTERM
     repeat: int = 1
     secs: float = 30.0  # freeze
-    at: str = "step"  # or "recovery"
+    at: str = "step"  # or one of MOMENTS
+    again: bool = False  # a replacement in the slot gets it too
 
     def _send(self, rank: int, when: str) -> None:
         print(f"[fault] rank {rank} sends itself {self.sig.name} {when}", flush=True)
@@ -77,13 +97,30 @@ class Fault:
             return False
         return self._apply(step, rank, joining)
 
-    def at_recovery(self, failed_step: int, rank: int) -> None:
-        """Apply an ``at=recovery`` fault if it is due: ``rank`` (its rank in the generation
-        that failed) recovers from a failure in step ``failed_step``."""
-        if self.at == "recovery" and rank == self.rank and failed_step >= self.step:
-            print(f"[fault] rank {rank} is lost while recovering from step {failed_step}",
-                  flush=True)  # fmt: skip
+    def at_recovery(self, failed_step: int, rank: int, moment: str = "recovery") -> None:
+        """Apply an ``at=recovery`` (or ``at=generation``: ``moment``) fault if it is due:
+        ``rank`` (its rank in the generation that failed) recovers from a failure in step
+        ``failed_step``."""
+        if self.at == moment and rank == self.rank and failed_step >= self.step:
+            print(f"[fault] rank {rank} is lost while recovering from step {failed_step} "
+                  f"({moment})", flush=True)  # fmt: skip
             self._apply(failed_step, rank, None)
+
+    def at_save(self, point: str, step: int, rank: int) -> None:
+        """Apply a fault due in step ``step``'s checkpoint at ``point``: ``"write"`` (before
+        this rank writes: ``diskfull``), ``"written"`` (``at=save``) or ``"metadata"``
+        (``at=commit``, rank 0)."""
+        if step != self.step or rank != self.rank:
+            return
+        if point == "write" and self.kind == "diskfull":
+            print(f"[fault] rank {rank}'s disk is full as it writes step {step}'s checkpoint",
+                  flush=True)  # fmt: skip
+            raise OSError(errno.ENOSPC, "No space left on device (a drill)")
+        moment = {"written": "save", "metadata": "commit"}.get(point)
+        if moment is not None and self.at == moment:
+            print(f"[fault] rank {rank} is lost during step {step}'s checkpoint ({point})",
+                  flush=True)  # fmt: skip
+            self._apply(step, rank, None)
 
     def _apply(self, step: int, rank: int, joining: Callable[[], bool] | None) -> bool:
         if self.kind == "hold" and joining is not None:
@@ -105,6 +142,9 @@ class Fault:
             time.sleep(10**6)
         if self.kind == "freeze":
             _freeze(rank, step, self.secs)
+        if self.kind == "launcher":
+            print(f"[fault] rank {rank} kills the launcher at step {step}", flush=True)
+            os.kill(int(os.environ[LAUNCHER_PID_ENV]), signal.SIGKILL)
         if self.kind == "cudaerror":
             print(f"[fault] rank {rank}'s device fails at step {step}", flush=True)
             raise RuntimeError("CUDA error: an illegal memory access was encountered (a drill)")
@@ -126,9 +166,13 @@ class Faults:
         poisons = [f.at_step(step, rank, joining) for f in self.faults]
         return any(poisons)
 
-    def at_recovery(self, failed_step: int, rank: int) -> None:
+    def at_recovery(self, failed_step: int, rank: int, moment: str = "recovery") -> None:
         for f in self.faults:
-            f.at_recovery(failed_step, rank)
+            f.at_recovery(failed_step, rank, moment)
+
+    def at_save(self, point: str, step: int, rank: int) -> None:
+        for f in self.faults:
+            f.at_save(point, step, rank)
 
     def at_preemption_save(self, rank: int) -> None:
         for f in self.faults:
@@ -175,9 +219,10 @@ def fault_from_env(env: Mapping[str, str] | None = None) -> Faults | None:
     spec = env.get("FULLSHARD_FAULT", "")
     if not spec or int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
-    if env.get("FULLSHARD_ELASTIC_JOIN"):  # an --elastic replacement
-        return None
-    return Faults(tuple(_parse(part) for part in spec.split("+")))
+    faults = [_parse(part) for part in spec.split("+")]
+    if env.get("FULLSHARD_ELASTIC_JOIN"):  # an --elastic replacement: only those marked again
+        faults = [f for f in faults if f.again]
+    return Faults(tuple(faults)) if faults else None
 
 
 def _parse(spec: str) -> Fault:
@@ -189,9 +234,10 @@ def _parse(spec: str) -> Fault:
     if name not in ("TERM", "USR1"):
         raise FullshardError(f"FULLSHARD_FAULT: sig={name}: use sig=TERM or sig=USR1")
     at = values.get("at", "step")
-    if at not in ("step", "recovery") or (at == "recovery" and kind not in AT_RECOVERY):
+    if at not in MOMENTS or (at != "step" and kind not in AT_RECOVERY):
         raise FullshardError(
-            f"FULLSHARD_FAULT: {spec}: at= is step, or recovery for {', '.join(AT_RECOVERY)}"
+            f"FULLSHARD_FAULT: {spec}: at= is step, or {', '.join(MOMENTS[1:])} for "
+            f"{', '.join(AT_RECOVERY)}"
         )
     return Fault(
         kind,
@@ -201,6 +247,7 @@ def _parse(spec: str) -> Fault:
         int(values.get("repeat", 1)),
         float(values.get("secs", 30)),
         at,
+        values.get("again", "0") == "1",
     )
 
 

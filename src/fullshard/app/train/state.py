@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -162,9 +163,17 @@ class TrainState:
 class TrainCheckpoints:
     """Saving and resuming one training run (call every method on every rank)."""
 
-    def __init__(self, root: str, state: TrainState, *, keep: int, async_save: bool) -> None:
+    def __init__(
+        self,
+        root: str,
+        state: TrainState,
+        *,
+        keep: int,
+        async_save: bool,
+        hook: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.root, self.state = root, state
-        self.manager = CheckpointManager(root, keep=keep, async_save=async_save)
+        self.manager = CheckpointManager(root, keep=keep, async_save=async_save, hook=hook)
         self.last_saved = -1
 
     def save(self, step: int) -> str:

@@ -25,6 +25,7 @@ import torch
 from fullshard.app.config import TrainConfig, to_toml
 from fullshard.app.data.corpus import build_tokenizer, load_tokens
 from fullshard.app.dims import ParallelDims
+from fullshard.app.errors import RunStopped, resume_hint
 from fullshard.app.launch.local import DistInfo, rank_session
 from fullshard.app.launch.preempt import (
     PREEMPTED_EXIT,
@@ -102,9 +103,7 @@ class Trainer:
         self.first_loss = self.last_loss = float("nan")
         self.build(info.rank, info.world_size)
         self.run_dir, self.folder = self.run_folder()
-        self.ckpt = TrainCheckpoints(
-            self.folder, self.state, keep=self.cfg.keep, async_save=self.cfg.async_save
-        )
+        self.ckpt = self.checkpoints()
         self.done = self.start()  # the step this run starts after
         self.book = StepBook(cfg, self.rank, self.scaler is None, self.log, self.losses,
                              self.state.skipped)  # fmt: skip
@@ -117,6 +116,14 @@ class Trainer:
         built: Built = build_rank(self.cfg, self.dims, self.data, rank, world, self.device)
         self.state, self.batches, self.decider = built.state, built.batches, built.decider
         self.scaler, self.plan, self.n_params = built.scaler, built.plan, built.n_params
+
+    def checkpoints(self) -> TrainCheckpoints:
+        """Saving and resuming this train state (a drill's faults hooked to the saves)."""
+        fault = self.fault
+        hook = None if fault is None else lambda point, step: fault.at_save(point, step, self.rank)
+        cfg = self.cfg
+        return TrainCheckpoints(self.folder, self.state, keep=cfg.keep, async_save=cfg.async_save,
+                                hook=hook)  # fmt: skip
 
     def run_folder(self) -> tuple[Path | None, str]:
         """Rank 0's run folder (named by rank 0) and the checkpoint folder every rank uses."""
@@ -169,13 +176,19 @@ class Trainer:
         # NOTE [Preemption]: from here on a stop signal only sets a flag, which the step votes on
         with StopSignals() as self.signals:
             step = self.done + 1
-            while step <= cfg.max_steps and not self.stopped:
-                step = self.step_or_recover(step)
-            wall = time.perf_counter() - self.start_t
+            while True:
+                while step <= cfg.max_steps and not self.stopped:
+                    step = self.step_or_recover(step)
+                wall = time.perf_counter() - self.start_t
+                if self.stopped or self.ckpt.last_saved == cfg.max_steps:
+                    break
+                # the finished run's weights (resume, export); --elastic goes back to the
+                # boundary it restored when a rank is lost in this save
+                step = self.save_or_recover(cfg.max_steps)
+                if step > cfg.max_steps:
+                    break
             if self.bar is not None:
                 self.bar.close()
-            if not self.stopped and self.ckpt.last_saved != cfg.max_steps:
-                self.ckpt.save(cfg.max_steps)  # the finished run's weights: resume or export
             self.ckpt.wait()
         sample = self.sample() if cfg.sample_tokens > 0 and not self.stopped else ""
         summary = self.summary(wall)
@@ -187,6 +200,33 @@ class Trainer:
         rank here and goes on from the boundary it restored)."""
         self.take_step(step)
         return step + 1
+
+    def save_or_recover(self, step: int) -> int:
+        """The final checkpoint, after step ``step``; the next step to take (past the last one;
+        :class:`ElasticTrainer`: the step after the boundary a recovery restored)."""
+        self.save(step)
+        return step + 1
+
+    def save(self, step: int) -> None:
+        """Checkpoint after ``step`` steps. A save that fails (a full disk, an error on any
+        rank) ends the run with one message: nothing of it was left on disk, and the newest
+        complete checkpoint resumes it."""
+        from fullshard.checkpoint.store import CheckpointDiskFull, CheckpointSaveFailed
+
+        try:
+            self.ckpt.save(step)
+        except CheckpointSaveFailed as exc:
+            todo = (
+                "free space there (or lower --keep, or --checkpoint-dir elsewhere)"
+                if isinstance(exc, CheckpointDiskFull)
+                else "fix the cause"
+            )
+            resume = f"then resume: {resume_hint()}" if exc.newest else "then run it again"
+            raise RunStopped(f"{exc}. To go on, {todo}; {resume}") from None
+
+    def stop_flag(self) -> torch.Tensor:
+        """This rank's stop vote for the step (NOTE [Preemption]): a stop signal's number."""
+        return self.signals.flag(self.device)
 
     def take_step(self, step: int) -> None:
         """One step and what follows it: a checkpoint, a logged line, a stop."""
@@ -203,7 +243,7 @@ class Trainer:
         bad = self.train_step(step, poison, urgent)
         self.state.step = step
         if save:
-            self.ckpt.save(step)
+            self.save(step)
         self.stopped = self.book.preempted or (stop_after and step < cfg.max_steps)
         if not bad and (logged or self.stopped):
             self.log_step(step, lr, is_eval)
@@ -223,7 +263,7 @@ class Trainer:
         norm = gradient_norm(model.parameters(), fixed_order=self.batches.fixed_order)
         # Every precision votes: with fp16 the scaler's own vote decides skipping (it skips and
         # rescales), but the ranks must still agree on when to stop.
-        votes = agree_step(loss, norm, self.signals.flag(device)).to(device)
+        votes = agree_step(loss, norm, self.stop_flag()).to(device)
         figures = torch.stack([loss, norm.detach().to(device, torch.float64).reshape(())])
         return self.decider.step(torch.cat([figures, votes]), norm, votes, step, urgent, self.book)
 
@@ -278,7 +318,7 @@ class Trainer:
         if book.preempted and self.fault is not None:
             self.fault.at_preemption_save(self.rank)
         if self.ckpt.last_saved != step:
-            self.ckpt.save(step)
+            self.save(step)
         self.ckpt.wait()  # committed (an async save too) before any rank leaves
         if self.rank == 0 and book.preempted:
             latest, name = self.ckpt.resolve("latest"), signal_name(book.stop)
