@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard.comm.desync import (
+    INTERRUPTS_EVER_SET,
     DesyncError,
     Interrupt,
     Interrupted,
@@ -591,7 +592,11 @@ class Comm:
         host_wait: bool,
     ) -> Pending:
         self.stats.record(kind, self.unit, nbytes)
-        interrupt = self.interrupt if self.interrupt is not None else interrupt_for(group)
+        interrupt = self.interrupt
+        if (
+            interrupt is None and INTERRUPTS_EVER_SET[0]
+        ):  # ``interrupt_for``'s own first test, inline
+            interrupt = interrupt_for(group)
         return Pending(
             work, what, self.timeout, self.stats, self.unit, pos, group, host_wait, interrupt
         )

@@ -115,7 +115,9 @@ class Position:
 
     def tag_bytes(self) -> list[int]:
         """The five tag bytes of this position (NOTE [Collective positions])."""
-        phase = _LABEL_INDEX[self.label]
+        phase = _PHASE_BYTES.get((self.kind, self.phase))  # one read per collective
+        if phase is None:
+            phase = _LABEL_INDEX[self.label]
         return [TAG_MAGIC, self.index >> 8 & 0xFF, self.index & 0xFF, phase, self.seq % 256]
 
 
@@ -138,6 +140,7 @@ def position_label(kind: str, phase: Phase) -> str:
 # position_label of every kind and phase, looked up (a position's label is asked twice a
 # collective: its tag and its name in messages)
 _LABELS = {(kind, phase): position_label(kind, phase) for kind in KINDS for phase in Phase}
+_PHASE_BYTES = {key: _LABEL_INDEX[label] for key, label in _LABELS.items()}  # tag_bytes' byte 3
 
 
 def tags_exact(dtype: torch.dtype, world: int) -> bool:
@@ -640,6 +643,8 @@ class Interrupt:
 # answer is then one read, not a weak dictionary's Python-level lookups)
 _TOKENS: weakref.WeakKeyDictionary[Any, Interrupt] = weakref.WeakKeyDictionary()
 _EVER_SET = [False]
+# whether any token was ever set: a caller on a step's path tests it before ``interrupt_for``
+INTERRUPTS_EVER_SET = _EVER_SET
 
 
 def set_interrupt(token: Interrupt | None, group: dist.ProcessGroup | None = None) -> None:

@@ -36,6 +36,17 @@ list (NOTE [Freezing after fully_shard]), another gathered parameter object, or 
 device of one (``.data =`` of another type is what makes autograd drop a tensor's
 accumulator). The probe's node is kept the same way, for the probe object it belongs to.
 
+NOTE [Recomputed graphs that never run backward]
+Activation checkpointing runs a unit's forward again inside its backward. Reentrant
+checkpointing (``use_reentrant=True``) then runs backward on that recomputed graph, so its
+inputs carry the unit's post-backward event again. The non-reentrant kind (torch's default,
+and selective checkpointing) only takes the saved tensors out of it: its pack hook detaches
+them and the graph is dropped, never run, so an event registered on it would never come (nor
+be counted: ``_will_engine_execute_node`` says no). The pre-forward hook skips that registration
+(an autograd ``Function`` per unit per step, issue 45) where the innermost saved-tensor hooks
+are ``torch.utils.checkpoint``'s ``_recomputation_hook``; any other hooks innermost (a user's
+own inside the recomputed function) keep the registration, which is harmless there.
+
 NOTE [Backwards restricted to inputs]
 ``torch.autograd.grad(out, inputs)`` and ``out.backward(inputs=...)`` run only the part of the
 graph that leads to ``inputs``: pipelining's first step computes each stage's input gradients
@@ -248,6 +259,8 @@ class FSDPState:
             self.schedule.pre_recompute(self.unit)
             # the recomputed forward must see what the first one saw: inputs cast the same way
             args, kwargs = self._cast_inputs(args, kwargs)
+            if _discarded_recompute():
+                return args, kwargs  # NOTE [Recomputed graphs that never run backward]
             # reentrant checkpointing runs the unit's backward on this recomputed graph
             return self._register_post_backward(args, kwargs)
         with _engine_only():
@@ -367,12 +380,9 @@ class FSDPState:
         _refuse_compiled_autograd(self.unit.name)
         self.schedule.pre_backward(self.unit, accumulates=self._backward_accumulates())
 
-    @outside_compile
-    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
-        self.on_post_backward_event()
-
-    def on_post_backward_event(self) -> None:
-        """Count one NOTE [Post-backward events]; the last one runs the unit's post-backward."""
+    def on_post_backward_event(self, *_: Any) -> None:
+        """Count one NOTE [Post-backward events]; the last one runs the unit's post-backward.
+        (Also the gradient-accumulated hook itself: its parameter argument is not needed.)"""
         assert self.schedule is not None
         task = _graph_task()
         events = self._events
@@ -382,6 +392,9 @@ class FSDPState:
         counts[0] += 1
         if counts[0] == counts[1]:
             self.schedule.post_backward(self.unit)
+
+    # each trainable parameter's event: the count itself, no call in between (issue 45)
+    _on_grad_accumulated = outside_compile(on_post_backward_event)
 
     def _param_nodes(self) -> list[Node]:
         """The gradient accumulators of the unit's trainable gathered parameters:
@@ -447,6 +460,19 @@ def _accumulator(leaf: torch.Tensor | None) -> Node:
     acc = node.next_functions[0][0]
     assert acc is not None
     return acc
+
+
+_top_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _discarded_recompute() -> bool:
+    """NOTE [Recomputed graphs that never run backward]: whether this recomputed forward is
+    a non-reentrant checkpoint's (its saved-tensor hooks are innermost)."""
+    top = _top_saved_tensor_hooks(False)
+    if top is None:
+        return False
+    name = getattr(top[0], "__qualname__", "")
+    return isinstance(name, str) and name.startswith("_recomputation_hook.")
 
 
 def _engine_only() -> contextlib.AbstractContextManager[Any]:

@@ -87,10 +87,10 @@ class _LocalSteps:
                 q.grad = grad._local_tensor if isinstance(grad, DTensor) else grad
                 before = state.pop(p, None) or {}
                 if before:
-                    state[q] = {
-                        k: v._local_tensor if isinstance(v, DTensor) else v
-                        for k, v in before.items()
-                    }
+                    local = {}  # a loop, not a comprehension: no call per parameter
+                    for k, v in before.items():
+                        local[k] = v._local_tensor if isinstance(v, DTensor) else v
+                    state[q] = local
                 params[i] = q
                 swapped.append((p, q, before))
         if swapped:
@@ -125,19 +125,20 @@ class _LocalSteps:
             q.grad = None
             now = state.pop(q, None)
             if now is not None:
-                # the usual case inline: the state the step updated in place is the one it was
-                state[p] = {
-                    k: was
-                    if (was := before.get(k)) is not None
-                    and (getattr(was, "_local_tensor", None) is v or _scalar_kept(was, v))
-                    else _wrap(v, was, q, p)
-                    for k, v in now.items()
-                }
-
-
-def _scalar_kept(before: Any, value: Any) -> bool:
-    """The step updated a 0-dim state tensor (a step count) in place: ``_wrap`` keeps it."""
-    return before is value and isinstance(value, torch.Tensor) and value.dim() == 0
+                # the usual case inline (a loop, no call per parameter): the state the step
+                # updated in place is the one it was, a DTensor over it or a 0-dim tensor (a
+                # step count) itself; ``_wrap`` decides the rest
+                kept = {}
+                for k, v in now.items():
+                    was = before.get(k)
+                    if was is not None and (
+                        getattr(was, "_local_tensor", None) is v
+                        or (was is v and isinstance(v, torch.Tensor) and v.dim() == 0)
+                    ):
+                        kept[k] = was
+                    else:
+                        kept[k] = _wrap(v, was, q, p)
+                state[p] = kept
 
 
 def _wrap(value: Any, before: Any, local: torch.Tensor, param: torch.Tensor) -> Any:

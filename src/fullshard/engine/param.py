@@ -53,13 +53,6 @@ from fullshard.engine.spmd import TPSpec
 from fullshard.policies import FullshardError
 from fullshard.shard.layout import FlatLayout, chunk_of, contiguous_stride, local_shape
 
-try:  # FSDP2's own constructor: no autograd, no argument checks (10x cheaper than from_local)
-    from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        _from_local_no_grad as _no_grad_dtensor,
-    )
-except ImportError:  # pragma: no cover - older torch
-    _no_grad_dtensor = None  # type: ignore[assignment]
-
 
 def local_of(t: Any) -> Any:
     """The rank's own tensor of a DTensor (a sharded parameter, gradient or state), else ``t``."""
@@ -70,8 +63,12 @@ def as_dtensor(local: torch.Tensor, like: torch.Tensor) -> DTensor:
     """``local`` as a DTensor with ``like``'s mesh, placements and global shape: no copy, no
     communication, no autograd history (a gradient, or a state tensor of a parameter)."""
     assert isinstance(like, DTensor)
-    if _no_grad_dtensor is not None and local.dtype == like.dtype:
-        return _no_grad_dtensor(local, like._spec)
+    if local.dtype == like.dtype:
+        # FSDP2's ``_from_local_no_grad`` without ``__init__``: ``DTensor.__new__`` makes the
+        # whole object (local tensor and spec set; no autograd, no argument checks), and
+        # ``DTensor.__init__`` only calls ``object.__init__`` behind a ``torch._disable_dynamo``
+        # wrapper, a third of the cost (issue 45: a gradient of every parameter, every step)
+        return DTensor.__new__(DTensor, local, like._spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
     with torch.no_grad():
         return DTensor.from_local(
             local,
@@ -113,12 +110,13 @@ class GatheredStorage:
         return self._nbytes
 
     def alloc(self) -> None:
-        if not self.allocated:
+        # ``allocated``, inline (twice per unit per step)
+        if not self.aliased and self.flat.untyped_storage().size() == 0:
             self.flat.untyped_storage().resize_(self._nbytes)
 
     def free(self) -> None:
         """Release the memory; views stay valid (NOTE [Freeing while autograd holds a view])."""
-        if not self.aliased and self.allocated:
+        if not self.aliased and self.flat.untyped_storage().size() > 0:
             self.flat.untyped_storage().resize_(0)
 
 

@@ -112,7 +112,10 @@ from fullshard.comm.desync import (
 )
 from fullshard.comm.device import cuda_semantics
 from fullshard.engine.unit import CommUnit
+from fullshard.engine.unit_parts import UnitState
 from fullshard.policies import Phase
+
+_SHARDED = UnitState.SHARDED  # a unit holding no gathered memory
 
 DEFAULT_MAX_GATHERED = 2
 
@@ -211,7 +214,7 @@ class Prefetcher:
         returns the ones started."""
         started = []
         for target in targets:
-            if target.gathered:
+            if target.state is not _SHARDED:  # ``gathered``, inline (each prefetch)
                 continue
             if phase is Phase.BACKWARD and not target.unshard_in_backward:
                 continue  # FSDPModule.set_unshard_in_backward(False)
@@ -368,7 +371,12 @@ class StepSchedule:
                 unit.wait_for_unshard(Phase.BACKWARD)
         self.root.streams.release_held()  # the last forward all-gather's buffers (rule 2)
         for unit in self.units:
-            if unit.gathered and unit not in self.forwarded and not (unit.optional and keep):
+            # ``gathered``, inline: a test of every unit each forward
+            if (
+                unit.state is not _SHARDED
+                and unit not in self.forwarded
+                and not (unit.optional and keep)
+            ):
                 unit.reshard()
         check_units_ran(self)  # NOTE [Units every rank runs]
         if not grad_enabled:
@@ -494,7 +502,7 @@ class StepSchedule:
                 event.synchronize()
         for unit in self.units:
             unit.post_forward_shard = None  # kept for a backward that has now passed
-            if unit.reshard_after_backward and unit.gathered:
+            if unit.reshard_after_backward and unit.state is not _SHARDED:  # ``gathered``
                 unit.reshard()  # kept for a backward that never reached it
                 if self.listeners:
                     self._emit(Point.FREE, unit)

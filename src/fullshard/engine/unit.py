@@ -515,7 +515,8 @@ class CommUnit:
         if s.cuda:  # a name for the CUDA emulation's messages
             name_tensor(full, lambda: f"packed gradients of unit '{self.name}'")
         del grads  # the packed copy is all we need: the full gradients go now
-        pre = self._pre_divide_factor()
+        # NOTE [Dividing the sum]: only fp16 pre-divides (no call for the others)
+        pre = self._pre_divide_factor() if self.reduce_dtype is torch.float16 else 1
         if pre != 1:  # NOTE [Dividing the sum]: the gradient columns only; the tags stay exact
             full[:, : self.grad_layout.shard_numel].div_(pre)
         if world == 1 and self.comm.replicate_group is None:
@@ -650,7 +651,8 @@ class CommUnit:
         self._done_events = []  # and the buffers held for the all-reduce stream go
 
     def _finish_shard(self, shard: torch.Tensor, present: list[bool]) -> None:
-        divided: float = self._pre_divide_factor()  # what the shard is divided by so far
+        # what the shard is divided by so far (only fp16 pre-divides: NOTE [Dividing the sum])
+        divided: float = self._pre_divide_factor() if self.reduce_dtype is torch.float16 else 1
         if self.all_reduce_hook is not None:
             divided = self._run_all_reduce_hook(shard, divided)
         self._set_grads(shard, present, divided)
