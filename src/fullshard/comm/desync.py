@@ -172,12 +172,6 @@ def write_static_tag(tail: torch.Tensor, index: int) -> None:
     tail[:3].copy_(_static_tag(tail.device, tail.dtype, index))
 
 
-@functools.lru_cache(maxsize=32)
-def _pair_rows(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """``_tables``' first table as one tensor per row: a row is then taken without an op."""
-    return _tables(device, dtype)[0].unbind(0)
-
-
 def write_dynamic_tag(tail: torch.Tensor, pos: Position) -> None:
     """Phase and sequence of this gather into ``tail[3:5]`` (one copy from a device table)."""
     write_phase_seq(tail[3:5], pos)
@@ -187,7 +181,9 @@ def write_phase_seq(slot: torch.Tensor, pos: Position) -> None:
     """``write_dynamic_tag`` into ``slot``, the tag's last two elements (a view kept by the
     caller: one copy kernel and nothing else per gather)."""
     b = pos.tag_bytes()
-    slot.copy_(_pair_rows(slot.device, slot.dtype)[b[3] * 256 + b[4]])
+    # a row of the table by index (a view), not a tuple of its 1280 rows kept: those cost
+    # 0.8 MiB of tensor objects per dtype, against a microsecond per gather
+    slot.copy_(_tables(slot.device, slot.dtype)[0][b[3] * 256 + b[4]])
 
 
 def reduce_tag_row(
@@ -216,6 +212,8 @@ def reduce_tag_columns(
         _, bits = _tables(device, dtype)
         head = _reduce_tag_head(*key).expand(world, -1).contiguous()
         return [head, bits[b[4]].expand(world, -1).contiguous()]
+    # a sequence byte's rows: a view of the kept table by index (contiguous), not one of 256
+    # tensor objects kept
     return [_reduce_tag_rows(*key, world), _sequence_bits(world, dtype, device)[b[4]]]
 
 
@@ -246,12 +244,10 @@ def _reduce_tag_rows(
 
 
 @functools.lru_cache(maxsize=32)
-def _sequence_bits(
-    world: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, ...]:
-    """Per sequence byte, its 8 bits in each of ``world`` rows (contiguous)."""
+def _sequence_bits(world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``(256, world, 8)``: per sequence byte, its 8 bits in each of ``world`` rows."""
     _, bits = _tables(device, dtype)
-    return bits.unsqueeze(1).expand(256, world, 8).contiguous().unbind(0)
+    return bits.unsqueeze(1).expand(256, world, 8).contiguous()
 
 
 def _bits_to_bytes(bits: list[float]) -> list[int]:
