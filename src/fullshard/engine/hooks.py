@@ -462,13 +462,20 @@ def _accumulator(leaf: torch.Tensor | None) -> Node:
     return acc
 
 
-_top_saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+# torch < 2.8 has no such query (or one without the argument): every recomputed forward then
+# registers its event, as before
+_top_saved_tensor_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def _discarded_recompute() -> bool:
     """NOTE [Recomputed graphs that never run backward]: whether this recomputed forward is
     a non-reentrant checkpoint's (its saved-tensor hooks are innermost)."""
-    top = _top_saved_tensor_hooks(False)
+    if _top_saved_tensor_hooks is None:
+        return False
+    try:
+        top = _top_saved_tensor_hooks(False)
+    except TypeError:  # an older signature: keep the registration
+        return False
     if top is None:
         return False
     name = getattr(top[0], "__qualname__", "")
