@@ -76,9 +76,13 @@ class UnitView:
                 full = group.layout.gathered_view(flat, i).detach()
                 if p.tp is not None:  # the TP-local whole: join the TP ranks' (all of them call)
                     full = DTensor.from_local(
-                        full, p.tp.mesh, list(p.tp.placements), run_check=False,
-                        shape=p.tp.shape, stride=p.tp.stride,
-                    ).full_tensor()  # fmt: skip
+                        full,
+                        p.tp.mesh,
+                        list(p.tp.placements),
+                        run_check=False,
+                        shape=p.tp.shape,
+                        stride=p.tp.stride,
+                    ).full_tensor()
                 yield p, full
             del flat
 
