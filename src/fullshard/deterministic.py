@@ -230,19 +230,21 @@ def _shard_dim(p: torch.Tensor) -> tuple[int, dist.ProcessGroup] | None:
     """``(tensor dim, shard group)`` of a fullshard-sharded parameter, ``None`` when replicated."""
     from torch.distributed.tensor import DTensor, Shard
 
-    unit = getattr(p, "_fullshard_unit", None)
-    if unit is None or not isinstance(p, DTensor):
+    from fullshard.engine.view import param_shard
+
+    where = param_shard(p)
+    if where is None or not isinstance(p, DTensor):
         return None
     shards = [x for x in p.placements if isinstance(x, Shard)]
     if not shards:
         return None
-    if len(shards) != 1 or len(p.placements) > unit.mesh.device_mesh.ndim:
+    if len(shards) != 1 or len(p.placements) > where.dp_dims:
         raise FullshardError(
-            f"fixed-order clip_grad_norm_: a parameter of unit '{unit.name}' has placements "
+            f"fixed-order clip_grad_norm_: a parameter of unit '{where.unit}' has placements "
             f"{p.placements}; fixed-order mode supports one Shard(d) over the data "
             "parallel ranks (no tensor parallel)"
         )
-    return shards[0].dim, unit.mesh.group
+    return shards[0].dim, where.group
 
 
 def total_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:

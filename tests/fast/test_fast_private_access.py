@@ -9,6 +9,8 @@ application's folders (``app.train``, ``app.launch``...). What counts:
 - ``x._name`` (an attribute read or write) in package ``Q`` where ``_name`` is defined
   (``def``, ``class``, an assignment ``self._name = ...`` or ``_name = ...``) only in other
   packages of fullshard; a private name fullshard never defines (torch's) is not ours to judge;
+- the same read spelled ``getattr(x, "_name", ...)`` (or ``hasattr``, ``setattr``, ``delattr``):
+  the string hides it from the attribute check, not from the dependency;
 - ``from fullshard.p.m import _name`` from another package.
 
 Like ``test_fast_imports.py``, it reads the source (no import), in milliseconds.
@@ -57,6 +59,21 @@ def _defined(tree: ast.AST) -> set[str]:
     return {n for n in names if _private(n)}
 
 
+_BY_NAME = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _attr_by_name(node: ast.AST) -> str | None:
+    """``_name`` of ``getattr(x, "_name", ...)`` and its relatives; else ``None``."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        return None
+    if node.func.id not in _BY_NAME or len(node.args) < 2:
+        return None
+    name = node.args[1]
+    if isinstance(name, ast.Constant) and isinstance(name.value, str) and _private(name.value):
+        return name.value
+    return None
+
+
 def violations(root: Path = PACKAGE) -> list[str]:
     trees = {p: ast.parse(p.read_text(encoding="utf-8")) for p in sorted(root.rglob("*.py"))}
     owners: dict[str, set[str]] = {}
@@ -70,6 +87,8 @@ def violations(root: Path = PACKAGE) -> list[str]:
             names: list[tuple[int, str]] = []
             if isinstance(node, ast.Attribute) and _private(node.attr):
                 names.append((node.lineno, node.attr))
+            elif (by_name := _attr_by_name(node)) is not None:
+                names.append((node.lineno, by_name))
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fullshard"):
                 module = node.module or ""
                 if not module.startswith(mine):  # a private module of its own package is fine
@@ -94,11 +113,17 @@ def test_the_check_finds_a_private_read_across_packages(tmp_path: Path) -> None:
     (pkg / "engine").mkdir(parents=True)
     (pkg / "engine" / "units.py").write_text("class M:\n    def _units(self):\n        pass\n")
     (pkg / "engine" / "hooks.py").write_text("def f(m):\n    return m._units()\n")
-    (pkg / "deterministic.py").write_text("def enable(m):\n    return m._units()\n")
+    (pkg / "deterministic.py").write_text(
+        "def enable(m):\n    return m._units()\n\n\ndef unit(p):\n"
+        "    return getattr(p, '_units', None)\n"
+    )
     global SRC
     saved, SRC = SRC, tmp_path
     try:
         found = violations(pkg)
     finally:
         SRC = saved
-    assert found == ["fullshard/deterministic.py:2 reads _units of fullshard.engine"]
+    assert sorted(found) == [
+        "fullshard/deterministic.py:2 reads _units of fullshard.engine",
+        "fullshard/deterministic.py:6 reads _units of fullshard.engine",
+    ]

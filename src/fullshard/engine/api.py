@@ -135,16 +135,7 @@ def fully_shard(
         install_cpu_shard_rng()  # NOTE [Init after sharding]
     raf = _reshard_arg(reshard_after_forward, info, unit_name)
     check_params(found, children, unit_name, modules)
-    if spmd is None:
-        tp = check_tensor_parallel(found, info, unit_name)
-    else:
-        tp = list(spmd.specs([(f.fqns[0], f.param) for f in found], unit_name))
-    if any(tp) and isinstance(raf, int) and not isinstance(raf, bool):
-        raise FullshardError(
-            f"{unit_name} (rank {info.rank}) holds tensor-parallel parameters; "
-            f"reshard_after_forward={raf} (resharding to a smaller group) is not supported for "
-            "them (nor by FSDP2): pass True or False."
-        )
+    tp = _tensor_parallel_specs(found, info, unit_name, spmd, raf)
     names = [f.fqns[0] for f in found]
     dims = shard_dims(shard_placement_fn, [f.param for f in found], names, info, unit_name)
     entries = [(f.fqns, f.param, f.refs) for f in found]
@@ -175,7 +166,16 @@ def fully_shard(
         unit.reshard_after_forward = True
     else:
         unit.reshard_after_forward = raf  # None: settled below, or at the root's lazy init
-    for sp in params:
+    _attach(modules, unit, found, children)
+    return module
+
+
+def _attach(
+    modules: list[nn.Module], unit: CommUnit, found: list[Any], children: list[FSDPState]
+) -> None:
+    """The last step of :func:`fully_shard`: the modules show the sharded parameters, hold the
+    unit's state and become FSDP modules; the units already sharded inside are its children."""
+    for sp in unit.params:
         sp.sharded._fullshard_unit = unit  # type: ignore[attr-defined]
         sp.expose(unsharded=False)
     state = FSDPState(modules, unit)
@@ -193,7 +193,24 @@ def fully_shard(
         m.__class__ = fsdp_class(type(m))  # type: ignore[arg-type]
         register_with_torch(m)
         register_state_with_torch(m, state)  # NOTE [What pipelining reads from an FSDP2 module]
-    return module
+
+
+def _tensor_parallel_specs(
+    found: list[Any], info: MeshInfo, unit_name: str, spmd: SpmdMesh | None, raf: bool | int | None
+) -> list[Any]:
+    """Each parameter's tensor-parallel spec (``None`` where it has none): NOTE [Tensor
+    parallel parameters], or NOTE [SPMD meshes] when the mesh is the whole SPMD mesh."""
+    if spmd is None:
+        tp = check_tensor_parallel(found, info, unit_name)
+    else:
+        tp = list(spmd.specs([(f.fqns[0], f.param) for f in found], unit_name))
+    if any(tp) and isinstance(raf, int) and not isinstance(raf, bool):
+        raise FullshardError(
+            f"{unit_name} (rank {info.rank}) holds tensor-parallel parameters; "
+            f"reshard_after_forward={raf} (resharding to a smaller group) is not supported for "
+            "them (nor by FSDP2): pass True or False."
+        )
+    return tp
 
 
 def _our_policies(mp: Any, offload: Any) -> tuple[MixedPrecisionPolicy, OffloadPolicy | None]:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -26,7 +27,16 @@ from fullshard.engine.schedule import Listener, Point, StepSchedule
 from fullshard.engine.unit import CommUnit
 from fullshard.policies import MEMORY_CATEGORIES, FullshardError
 
-__all__ = ["Subscription", "UnitView", "step_schedule", "subscribe", "unit_buffers", "units"]
+__all__ = [
+    "ParamShard",
+    "Subscription",
+    "UnitView",
+    "param_shard",
+    "step_schedule",
+    "subscribe",
+    "unit_buffers",
+    "units",
+]
 
 
 @dataclass(frozen=True)
@@ -66,9 +76,13 @@ class UnitView:
                 full = group.layout.gathered_view(flat, i).detach()
                 if p.tp is not None:  # the TP-local whole: join the TP ranks' (all of them call)
                     full = DTensor.from_local(
-                        full, p.tp.mesh, list(p.tp.placements), run_check=False,
-                        shape=p.tp.shape, stride=p.tp.stride,
-                    ).full_tensor()  # fmt: skip
+                        full,
+                        p.tp.mesh,
+                        list(p.tp.placements),
+                        run_check=False,
+                        shape=p.tp.shape,
+                        stride=p.tp.stride,
+                    ).full_tensor()
                 yield p, full
             del flat
 
@@ -152,6 +166,26 @@ def units(model: nn.Module) -> list[UnitView]:
         module_names = tuple(names.get(id(x), "?") for x in state.modules)
         views.append(UnitView(module_names[0], m, state.unit, module_names))
     return views
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """Where fullshard shards a parameter (:func:`param_shard`): its unit's name, the ranks
+    that hold its rows (``group``) and the dimensions of the unit's data-parallel mesh (a
+    parameter's placements past them are tensor parallel's)."""
+
+    unit: str
+    group: dist.ProcessGroup
+    dp_dims: int
+
+
+def param_shard(p: torch.Tensor) -> ParamShard | None:
+    """Where fullshard shards ``p`` (a parameter as an optimizer sees it); ``None`` for a
+    tensor fullshard does not manage."""
+    unit: CommUnit | None = getattr(p, "_fullshard_unit", None)
+    if unit is None:
+        return None
+    return ParamShard(unit.name, unit.mesh.group, unit.mesh.device_mesh.ndim)
 
 
 def step_schedule(model: nn.Module) -> StepSchedule:
