@@ -379,6 +379,7 @@ class ShardGroup:
     """The parameters of one unit that share a dtype, and their buffers."""
 
     extension = False  # an ExtensionGroup (NOTE [All-gather extensions])
+    host_shards = False  # the shards live in host memory (CPU offload): set by the unit
 
     def __init__(
         self,
@@ -516,7 +517,10 @@ class ShardGroup:
         """This rank's shard as the all-gather sends it: on the compute device, in the compute
         dtype (the flat buffer itself when nothing needs to change)."""
         flat = self.flat
-        if flat.dtype == self.compute_dtype and flat.device == self.mesh.device:
+        # sent as it is where ``.to`` would return it; decided from the unit's offload, not
+        # from ``flat.device``: under the CUDA emulation host and device share ``cpu``, and
+        # an offloaded shard must still be copied to the device
+        if flat.dtype == self.compute_dtype and not self.host_shards:
             return flat
         return flat.to(self.mesh.device, self.compute_dtype, non_blocking=True)
 

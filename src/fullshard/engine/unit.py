@@ -92,7 +92,7 @@ from fullshard.comm.desync import (
 )
 from fullshard.comm.device import cuda_semantics, current_stream, name_tensor
 from fullshard.comm.mesh import MeshInfo
-from fullshard.engine.param import GatheredStorage, ShardedParam
+from fullshard.engine.param import GatheredStorage, ShardedParam, ShardGroup
 from fullshard.engine.streams import Event, Streams, streams_for
 from fullshard.engine.unit_parts import (
     GatherInFlight,
@@ -176,9 +176,7 @@ class CommUnit:
             and offload.pin_memory
             and cuda_semantics(mesh.device)
         )
-        self.groups = make_groups(
-            params, originals, mesh, mp_policy, self.shard_device, self.pin_memory, name
-        )
+        self.groups = self._make_groups(originals)
         self._set_trainable()
         self.requires_grad_sync = True
         self.requires_all_reduce = True
@@ -310,13 +308,25 @@ class CommUnit:
                 g.reattach()
                 g.write_static_tag(self.index)
 
+    def _make_groups(self, originals: list[torch.Tensor]) -> list[ShardGroup]:
+        """The unit's groups (NOTE [Mixed-dtype units]), told where their shards live."""
+        groups = make_groups(
+            self.params,
+            originals,
+            self.mesh,
+            self.mp_policy,
+            self.shard_device,
+            self.pin_memory,
+            self.name,
+        )
+        for g in groups:
+            g.host_shards = self.offload
+        return groups
+
     def _recast(self) -> None:
         refuse_regrouping(self.groups, self.name, "a cast after fully_shard")
         originals = [p.local for p in self.params]
-        self.groups = make_groups(
-            self.params, originals, self.mesh, self.mp_policy, self.shard_device,
-            self.pin_memory, self.name,
-        )  # fmt: skip
+        self.groups = self._make_groups(originals)
         for g in self.groups:
             g.reattach()  # copies each cast shard into the new group's flat buffer
             g.write_static_tag(self.index)
