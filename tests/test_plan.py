@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from fullshard.app.cli import main
-from fullshard.app.commands.plan import make_plan, model_vocab, plan_builtin
+from fullshard.app.commands.plan import make_plan
 from fullshard.app.models.gpt import build_model, count_params, lm_loss, unit_types_of
+from fullshard.app.models.planning import model_vocab, plan_builtin
 from fullshard.comm.desync import TAG_LEN
 from fullshard.engine.sharding import hybrid_shard_size
 from fullshard.observe.rss import peak_rss_bytes, reset_peak_rss, rss_bytes

@@ -4,7 +4,7 @@ Precedence: dataclass defaults < ``--config FILE.toml`` < command-line flags. Th
 is generated from the dataclass fields (their ``help`` metadata), so ``fullshard train --help``
 documents every option and cannot drift from the config. This module is the data only:
 checking the values (and the files, models and devices they name) is
-:mod:`fullshard.app.commands.validate`'s, once per process before launch.
+:mod:`fullshard.app.commands.train`'s, once per process before launch.
 """
 
 from __future__ import annotations
@@ -467,7 +467,7 @@ def to_toml(cfg: TrainConfig) -> str:
 def reshard_after_forward_arg(value: str | None) -> bool | int | None:
     """``--reshard-after-forward`` as ``fully_shard`` takes it: ``None`` (unset: the strategy's
     default), ``True``/``False``, or a number of ranks. Raises :class:`ConfigError` for any
-    other word; whether a number fits the shard group is ``validate_train``'s check."""
+    other word; whether a number fits the shard group is ``fullshard.app.train.world``'s check."""
     if value is None:
         return None
     word = value.strip().lower()

@@ -24,15 +24,9 @@ from torch import nn
 
 from fullshard.engine.sharding import UnitPlan, plan_sharding
 from fullshard.engine.unit_parts import unit_layout
-from fullshard.plan.accounting import (
-    DTYPE_BYTES,
-    Plan,
-    PlanConfig,
-    UnitCost,
-    build_plan,
-    korthikanti_activation_bytes,
-)
+from fullshard.plan.accounting import Plan, build_plan, korthikanti_activation_bytes
 from fullshard.plan.activations import UnitActivations, analytic_activations, with_loss_peaks
+from fullshard.plan.config import DTYPE_BYTES, PlanConfig, UnitCost
 from fullshard.plan.pipeline import inflight, stage_units
 from fullshard.plan.recommendation import recommend
 from fullshard.plan.steptime import step_time

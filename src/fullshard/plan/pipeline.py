@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fullshard.plan.accounting import PlanConfig, UnitCost
+from fullshard.plan.config import PlanConfig, UnitCost
 from fullshard.plan.transformer import TransformerShape
 
 __all__ = ["inflight", "split_layers", "stage_units"]

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from fullshard.plan.accounting import Plan, PlanConfig, Recommendation, fmt_bytes
+from fullshard.plan.accounting import Plan, Recommendation, fmt_bytes
+from fullshard.plan.config import PlanConfig
 
 __all__ = ["describe", "recommend"]
 

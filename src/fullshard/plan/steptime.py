@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fullshard.plan.accounting import DTYPE_BYTES, MASTER_BYTES, PlanConfig, UnitCost
+from fullshard.plan.config import DTYPE_BYTES, MASTER_BYTES, PlanConfig, UnitCost
 from fullshard.plan.hardware import Hardware
 from fullshard.plan.transformer import TransformerShape
 

@@ -1,5 +1,5 @@
 """The corpus checks of ``fullshard train``'s validation (:func:`check_data`, called by
-``fullshard.app.commands.validate.validate_train`` before launch): a text corpus is not empty and gives
+``fullshard.app.commands.train.validate`` before launch): a text corpus is not empty and gives
 every rank a micro-batch, counted from file sizes where they suffice; a prepared folder agrees with
 the flags and is intact, from its index and its files' stats. Nothing is tokenized but bytes.
 """

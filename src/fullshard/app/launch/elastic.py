@@ -100,9 +100,9 @@ def launch_elastic(
     import torch.distributed as dist
 
     from fullshard.app.errors import ERROR_MARKER_ENV, RESUME_ENV, VALIDATED_ENV, read_report
+    from fullshard.app.faults import LAUNCHER_PID_ENV, fault_from_env
     from fullshard.app.launch.local import RANK_PRELOAD, run_rank, start_helpers
     from fullshard.app.launch.preempt import MARKER_ENV, PREEMPTED_EXIT, ForwardSignals, read_marker
-    from fullshard.app.train.faults import LAUNCHER_PID_ENV, fault_from_env
     from fullshard.elastic.membership import (
         JOIN_ENV,
         MEMBER_ENV,

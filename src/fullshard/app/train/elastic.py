@@ -46,11 +46,11 @@ from fullshard.app.errors import ConfigError, RunStopped, resume_hint, say_once
 from fullshard.app.launch.elastic import LAUNCHER_ENV
 from fullshard.app.launch.local import DistInfo, leave_together, prepare_rank
 from fullshard.app.train.build import RankData, rank_data
-from fullshard.app.train.faults import NonFiniteError
 from fullshard.app.train.monitor import MetricsLog
 from fullshard.app.train.state import LoopState
 from fullshard.app.train.trainer import Trainer, device_checks, read_text
-from fullshard.app.train.verdict import StepBook
+from fullshard.app.train.verdict import NonFiniteError, StepBook
+from fullshard.app.train.world import check_world
 from fullshard.checkpoint import latest_checkpoint
 from fullshard.comm import control
 from fullshard.elastic import Aborted, Layout, Lost, Manager, Membership, abort_groups
@@ -82,7 +82,6 @@ def world_rules(
     """Which world sizes the job can run at (validation's own world checks), and where each
     world's copies live: a shard group's replicas hold each other's shards; otherwise the copy
     goes to the rank a node away (a lost node's shards are then held on another)."""
-    from fullshard.app.commands.validate import check_world
 
     def accepts(world: int) -> bool:
         try:

@@ -179,7 +179,7 @@ class TrainCheckpoints:
     def save(self, step: int) -> str:
         """Checkpoint after ``step`` optimizer steps (committed atomically)."""
         self.last_saved = step
-        # (--optimizer: a resume with the other one is refused before launch, validate.py)
+        # (--optimizer: a resume with the other one is refused before launch, commands/train.py)
         optimizer = type(self.state.optimizer).__name__.lower()
         meta = {"world_size": control.world_size(), "optimizer": optimizer}
         return self.manager.save(step, self.state.state_dict(), meta=meta)

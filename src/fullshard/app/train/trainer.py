@@ -26,6 +26,7 @@ from fullshard.app.config import TrainConfig, to_toml
 from fullshard.app.data.corpus import build_tokenizer, load_tokens
 from fullshard.app.dims import ParallelDims
 from fullshard.app.errors import RunStopped, resume_hint
+from fullshard.app.faults import fault_from_env
 from fullshard.app.launch.local import DistInfo, rank_session
 from fullshard.app.launch.preempt import (
     PREEMPTED_EXIT,
@@ -37,7 +38,6 @@ from fullshard.app.launch.preempt import (
 from fullshard.app.models.gpt import generate
 from fullshard.app.models.wrap import gradient_norm
 from fullshard.app.train.build import Built, RankData, build_rank, rank_data
-from fullshard.app.train.faults import agree_step, fault_from_env
 from fullshard.app.train.monitor import (
     MetricsLog,
     format_mem,
@@ -49,7 +49,7 @@ from fullshard.app.train.monitor import (
     record,
 )
 from fullshard.app.train.state import TrainCheckpoints
-from fullshard.app.train.verdict import StepBook
+from fullshard.app.train.verdict import StepBook, agree_step
 from fullshard.comm import control
 from fullshard.comm.runtime import runtime, runtime_from_env
 
@@ -59,7 +59,7 @@ __all__ = ["Trainer", "device_checks", "read_text", "train"]
 def train(cfg: TrainConfig, dims: ParallelDims) -> dict[str, Any]:
     """Run one training job on this rank; returns the run summary (on every rank).
 
-    ``cfg`` was validated (``fullshard.app.commands.validate.validate_train``, before launch);
+    ``cfg`` was validated (``fullshard.app.commands.train.validate``, before launch);
     ``dims``: the run's parallel dimensions. (``--elastic``: ``elastic.train_elastic``.)
     """
     tokenizer, tokens = read_text(cfg)
