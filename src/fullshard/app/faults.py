@@ -60,8 +60,18 @@ from fullshard.policies import FullshardError
 
 __all__ = ["LAUNCHER_PID_ENV", "Fault", "Faults", "fault_from_env"]
 
-KINDS = ("kill", "node", "hang", "freeze", "hold", "nan", "signal", "cudaerror", "launcher",
-         "diskfull")  # fmt: skip
+KINDS = (
+    "kill",
+    "node",
+    "hang",
+    "freeze",
+    "hold",
+    "nan",
+    "signal",
+    "cudaerror",
+    "launcher",
+    "diskfull",
+)
 AT_RECOVERY = ("kill", "node", "hang", "freeze")  # the kinds that may fire at another moment
 MOMENTS = ("step", "recovery", "generation", "save", "commit")
 LAUNCHER_PID_ENV = (
@@ -96,8 +106,10 @@ class Fault:
         ``rank`` (its rank in the generation that failed) recovers from a failure in step
         ``failed_step``."""
         if self.at == moment and rank == self.rank and failed_step >= self.step:
-            print(f"[fault] rank {rank} is lost while recovering from step {failed_step} "
-                  f"({moment})", flush=True)  # fmt: skip
+            print(
+                f"[fault] rank {rank} is lost while recovering from step {failed_step} ({moment})",
+                flush=True,
+            )
             self._apply(failed_step, rank, None)
 
     def at_save(self, point: str, step: int, rank: int) -> None:
@@ -107,13 +119,16 @@ class Fault:
         if step != self.step or rank != self.rank:
             return
         if point == "write" and self.kind == "diskfull":
-            print(f"[fault] rank {rank}'s disk is full as it writes step {step}'s checkpoint",
-                  flush=True)  # fmt: skip
+            print(
+                f"[fault] rank {rank}'s disk is full as it writes step {step}'s checkpoint",
+                flush=True,
+            )
             raise OSError(errno.ENOSPC, "No space left on device (a drill)")
         moment = {"written": "save", "metadata": "commit"}.get(point)
         if moment is not None and self.at == moment:
-            print(f"[fault] rank {rank} is lost during step {step}'s checkpoint ({point})",
-                  flush=True)  # fmt: skip
+            print(
+                f"[fault] rank {rank} is lost during step {step}'s checkpoint ({point})", flush=True
+            )
             self._apply(step, rank, None)
 
     def _apply(self, step: int, rank: int, joining: Callable[[], bool] | None) -> bool:

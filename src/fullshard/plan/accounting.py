@@ -311,8 +311,11 @@ class _Bytes:
         checkpointed), for every microbatch a pipeline stage holds."""
         if u.is_root:
             return u.act_bytes
-        kept = {"none": u.act_bytes, "full": u.input_bytes,
-                "selective": u.selective_bytes or u.act_bytes}[self.policy]  # fmt: skip
+        kept = {
+            "none": u.act_bytes,
+            "full": u.input_bytes,
+            "selective": u.selective_bytes or u.act_bytes,
+        }[self.policy]
         return kept * self.inflight
 
     def recompute(self, u: UnitCost) -> float:
@@ -539,15 +542,34 @@ def _communication(
     if n > 1:
         out.append(Collective("all-gather (forward)", "shard", n, 1.0, psi * cb, ring * psi * cb))
         if regather:
-            out.append(Collective("all-gather (backward)", "shard", n, regather / psi,
-                                  regather * cb, ring * regather * cb))  # fmt: skip
-        out.append(Collective("reduce-scatter", "shard", n, trainable / psi, trainable * rb,
-                              ring * trainable * rb))  # fmt: skip
+            out.append(
+                Collective(
+                    "all-gather (backward)",
+                    "shard",
+                    n,
+                    regather / psi,
+                    regather * cb,
+                    ring * regather * cb,
+                )
+            )
+        out.append(
+            Collective(
+                "reduce-scatter", "shard", n, trainable / psi, trainable * rb, ring * trainable * rb
+            )
+        )
     if replicas > 1:
         # HYBRID / NO_SHARD: each rank's gradient shard is all-reduced across the replicas.
         shard = trainable / n
-        out.append(Collective("all-reduce (replicas)", "replicate", replicas, 2 * shard / psi,
-                              shard * rb, 2 * (replicas - 1) / replicas * shard * rb))  # fmt: skip
+        out.append(
+            Collective(
+                "all-reduce (replicas)",
+                "replicate",
+                replicas,
+                2 * shard / psi,
+                shard * rb,
+                2 * (replicas - 1) / replicas * shard * rb,
+            )
+        )
     return out
 
 
@@ -562,5 +584,4 @@ def _tp_communication(units: list[UnitCost], tp: int, cb: int) -> list[Collectiv
     psi = sum(u.numel for u in units) or 1.0
     total = sum(4 * u.input_bytes * tp for u in units if not u.is_root)
     ring = 2 * (tp - 1) / tp
-    return [Collective("all-reduce (TP)", "tp", tp, total / (psi * cb), total,
-                       ring * total)]  # fmt: skip
+    return [Collective("all-reduce (TP)", "tp", tp, total / (psi * cb), total, ring * total)]

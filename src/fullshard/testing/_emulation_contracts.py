@@ -221,11 +221,31 @@ def _foreach(emu: Emulated, op: str, a: dict[str, Any]) -> None:
 
 _REDUCTIONS = frozenset(
     {
-        "sum", "nansum", "mean", "prod", "norm", "linalg_vector_norm", "_foreach_norm", "var",
-        "std", "var_mean", "std_mean", "cumsum", "cumprod", "logsumexp", "dot", "mv", "mm",
-        "addmm", "bmm", "baddbmm", "matmul", "_softmax", "_log_softmax",
+        "sum",
+        "nansum",
+        "mean",
+        "prod",
+        "norm",
+        "linalg_vector_norm",
+        "_foreach_norm",
+        "var",
+        "std",
+        "var_mean",
+        "std_mean",
+        "cumsum",
+        "cumprod",
+        "logsumexp",
+        "dot",
+        "mv",
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "matmul",
+        "_softmax",
+        "_log_softmax",
     }
-)  # fmt: skip
+)
 
 
 _RULES: dict[str, Callable[[Emulated, str, dict[str, Any]], None]] = {

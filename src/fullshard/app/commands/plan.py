@@ -431,16 +431,24 @@ def make_plan(
         raise ValueError("give either a parameter count (--params) or a model (--model)")
     if model is not None:
         return plan_builtin(
-            model, world_size, config, vocab_size=vocab_size,
+            model,
+            world_size,
+            config,
+            vocab_size=vocab_size,
             with_recommendation=with_recommendation,
-        )  # fmt: skip
+        )
     assert params is not None
 
     def evaluate(cfg: PlanConfig) -> Plan:
         return plan_analytic(
-            params, world_size, cfg, layers=layers, hidden=hidden, heads=heads,
+            params,
+            world_size,
+            cfg,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
             fused_attention=fused_attention,
-        )  # fmt: skip
+        )
 
     plan = evaluate(config)
     if with_recommendation:
@@ -521,11 +529,14 @@ def format_plan(plan: Plan) -> str:
 
 
 def _extras(cfg: PlanConfig) -> str:
-    parts = [f"tp {cfg.tp}" if cfg.tp > 1 else "", f"pp {cfg.pp} ({cfg.pp_schedule})"
-             if cfg.pp > 1 else "", f"cp {cfg.cp}" if cfg.cp > 1 else "",
-             f"torch.compile ({cfg.compile})" if cfg.compile_blocks else "",
-             "float8" if cfg.float8 else "",
-             "async TP" if cfg.async_tp else ""]  # fmt: skip
+    parts = [
+        f"tp {cfg.tp}" if cfg.tp > 1 else "",
+        f"pp {cfg.pp} ({cfg.pp_schedule})" if cfg.pp > 1 else "",
+        f"cp {cfg.cp}" if cfg.cp > 1 else "",
+        f"torch.compile ({cfg.compile})" if cfg.compile_blocks else "",
+        "float8" if cfg.float8 else "",
+        "async TP" if cfg.async_tp else "",
+    ]
     return "".join(f", {p}" for p in parts if p)
 
 

@@ -99,8 +99,11 @@ def _write(
         return min(r[key] for r in ranks)
 
     matmul = worst("matmul")
-    memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world)  # fmt: skip
+    memory = (
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
+    )
     hw = Hardware(
         name=f"calibrated: {socket.gethostname()} ({world} ranks, {backend}, {device.type})",
         memory_bytes=float(memory),

@@ -306,9 +306,14 @@ def _progress_bar(total_bytes: int, wanted: bool) -> Any:
             )
         return _NoBar()
     return tqdm(
-        total=total_bytes, unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
-        disable=None if wanted else True, dynamic_ncols=True,
-    )  # fmt: skip
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        file=sys.stderr,
+        disable=None if wanted else True,
+        dynamic_ncols=True,
+    )
 
 
 def _write(
