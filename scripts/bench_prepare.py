@@ -177,11 +177,25 @@ def _rank_peaks(pid: int, peaks: dict[int, float], stop: threading.Event) -> Non
 def run_train(data: Path, work: Path, name: str, nproc: int, model: str) -> dict[str, Any]:
     """Train a few steps from ``data``; start-up time and per-rank memory."""
     cmd = [
-        sys.executable, "-m", "fullshard.app.cli", "train", "--data", str(data), "--model", model,
-        "--nproc", str(nproc), "--max-steps", "2", "--log-every", "1", "--eval-every", "0",
-        "--eval-batches", "1", "--batch-size", str(4 * nproc), "--seq-len", "128",
-        "--sample-tokens", "0", "--no-progress", "--runs-dir", str(work / "runs"), "--name", name,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "fullshard.app.cli",
+        "train",
+        "--data",
+        str(data),
+        "--model",
+        model,
+        "--nproc",
+        str(nproc),
+        *["--max-steps", "2", "--log-every", "1", "--eval-every", "0"],
+        *["--eval-batches", "1", "--batch-size"],
+        str(4 * nproc),
+        *["--seq-len", "128", "--sample-tokens", "0", "--no-progress"],
+        "--runs-dir",
+        str(work / "runs"),
+        "--name",
+        name,
+    ]
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
     start = time.perf_counter()
     proc = subprocess.Popen(

@@ -95,11 +95,16 @@ class Cli:
     def train(self, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
         """A short tiny-model run on one rank, on this device."""
         return self.run(
-            "train", "--model", "tiny", "--nproc", "1", "--device", self.device,
-            "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "1", "--log-every", "1",
-            "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "8",
-            "--timeout", "120", "--runs-dir", str(self.runs), "--name", name, *extra,
-        )  # fmt: skip
+            *["train", "--model", "tiny", "--nproc", "1", "--device"],
+            self.device,
+            *["--seq-len", "32", "--batch-size", "4", "--warmup-steps", "1"],
+            *["--log-every", "1", "--eval-every", "0", "--eval-batches", "1"],
+            *["--sample-tokens", "8", "--timeout", "120", "--runs-dir"],
+            str(self.runs),
+            "--name",
+            name,
+            *extra,
+        )
 
     def base(self) -> subprocess.CompletedProcess[str]:
         """The run ``cli.train`` makes (and ``cli.resume`` / ``cli.convert`` continue)."""
@@ -123,9 +128,13 @@ def run_bounded(
     limit = max(1.0, limit)
     # its own session: on timeout the child, its torchrun or spawn and the ranks end together
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
@@ -212,9 +221,15 @@ def cli_hf(cli: Cli) -> tuple[bool, str]:
 def cli_trace(cli: Cli) -> tuple[bool, str]:
     out = cli.work / "trace"
     proc = cli.run(
-        "trace", "--nproc", "1", "--device", cli.device, "--model", "tiny", "--steps", "2",
-        "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--out", str(out),
-    )  # fmt: skip
+        "trace",
+        "--nproc",
+        "1",
+        "--device",
+        cli.device,
+        *["--model", "tiny", "--steps", "2", "--warmup", "1", "--batch-size"],
+        *["2", "--seq-len", "32", "--out"],
+        str(out),
+    )
     if proc.returncode != 0:
         return False, _failed(proc)
     missing = _missing(out, ("trace.json", "trace.png", "trace_summary.json"))
@@ -227,11 +242,17 @@ def cli_trace(cli: Cli) -> tuple[bool, str]:
 def cli_bench(cli: Cli) -> tuple[bool, str]:
     out = cli.work / "bench"
     proc = cli.run(
-        "bench", "--nproc", "1", "--device", cli.device, "--model", "tiny",
-        "--variants", "full_shard,fsdp2,ddp,single", "--mixed-precision", "bf16",
-        "--batch-size", "2", "--seq-len", "32", "--warmup", "1", "--rounds", "2",
-        "--memory-steps", "2", "--timeout", "240", "--out", str(out),
-    )  # fmt: skip
+        "bench",
+        "--nproc",
+        "1",
+        "--device",
+        cli.device,
+        *["--model", "tiny", "--variants", "full_shard,fsdp2,ddp,single"],
+        *["--mixed-precision", "bf16", "--batch-size", "2", "--seq-len"],
+        *["32", "--warmup", "1", "--rounds", "2", "--memory-steps", "2"],
+        *["--timeout", "240", "--out"],
+        str(out),
+    )
     if proc.returncode != 0:
         return False, _failed(proc)
     missing = _missing(out, ("bench.json", "bench.md", "bench.png"))
@@ -252,9 +273,10 @@ def cli_bench(cli: Cli) -> tuple[bool, str]:
 
 def cli_plan(cli: Cli) -> tuple[bool, str]:
     proc = cli.run(
-        "plan", "--model", "tiny", "--devices", "1", "--batch", "2", "--seq", "32", "--check",
-        "--check-device", cli.device,
-    )  # fmt: skip
+        *["plan", "--model", "tiny", "--devices", "1", "--batch", "2"],
+        *["--seq", "32", "--check", "--check-device"],
+        cli.device,
+    )
     if proc.returncode != 0:
         return False, _failed(proc)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("peak per rank")), "")
@@ -263,11 +285,16 @@ def cli_plan(cli: Cli) -> tuple[bool, str]:
 
 def cli_share(cli: Cli) -> tuple[bool, str]:
     proc = cli.run(
-        "train", "--model", "tiny", "--nproc", "2", "--backend", "gloo", "--device", cli.device,
-        "--max-steps", "3", "--seq-len", "32", "--batch-size", "4", "--log-every", "1",
-        "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--timeout", "120",
-        "--runs-dir", str(cli.runs), "--name", "share",
-    )  # fmt: skip
+        *["train", "--model", "tiny", "--nproc", "2", "--backend", "gloo"],
+        "--device",
+        cli.device,
+        *["--max-steps", "3", "--seq-len", "32", "--batch-size", "4"],
+        *["--log-every", "1", "--eval-every", "0", "--eval-batches", "1"],
+        *["--sample-tokens", "0", "--timeout", "120", "--runs-dir"],
+        str(cli.runs),
+        "--name",
+        "share",
+    )
     if proc.returncode != 0:
         return False, _failed(proc)
     records = _records(cli.runs / "share")
@@ -288,12 +315,18 @@ def cli_elastic(cli: Cli) -> tuple[bool, str]:
     if cli.device == "cuda":
         env["TORCH_CUDA_SANITIZER"] = "1"
     proc = cli.run(
-        "train", "--model", "tiny", "--nproc", "2", "--backend", "gloo", "--device", cli.device,
-        "--elastic", "--deterministic", "--max-steps", "6", "--seq-len", "32", "--batch-size",
-        "8", "--micro-batch-size", "2", "--log-every", "6", "--eval-every", "0",
-        "--sample-tokens", "0", "--timeout", "120", "--runs-dir", str(cli.runs), "--name",
-        "elastic", env=env,
-    )  # fmt: skip
+        *["train", "--model", "tiny", "--nproc", "2", "--backend", "gloo"],
+        "--device",
+        cli.device,
+        *["--elastic", "--deterministic", "--max-steps", "6", "--seq-len"],
+        *["32", "--batch-size", "8", "--micro-batch-size", "2"],
+        *["--log-every", "6", "--eval-every", "0", "--sample-tokens", "0"],
+        *["--timeout", "120", "--runs-dir"],
+        str(cli.runs),
+        "--name",
+        "elastic",
+        env=env,
+    )
     if proc.returncode != 0 or "CSAN" in proc.stderr:
         return False, _failed(proc)
     summary = json.loads((cli.runs / "elastic" / "summary.json").read_text())
@@ -311,12 +344,18 @@ def _lrs_against_cpu(cli: Cli, name: str, *extra: str) -> tuple[bool, str]:
     emulated = {"FULLSHARD_CUDA_EMULATION": "1"} if cli.device == "cpu" else {}
     for label, device, env in (("device", cli.device, emulated), ("cpu", "cpu", {})):
         proc = cli.run(
-            "train", "--model", "tiny", "--nproc", "1", "--device", device, "--max-steps", "4",
-            "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "2", "--log-every", "1",
-            "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
-            "--timeout", "120", "--runs-dir", str(cli.runs), "--name", f"{name}-{label}", *extra,
+            *["train", "--model", "tiny", "--nproc", "1", "--device"],
+            device,
+            *["--max-steps", "4", "--seq-len", "32", "--batch-size", "4"],
+            *["--warmup-steps", "2", "--log-every", "1", "--eval-every", "0"],
+            *["--eval-batches", "1", "--sample-tokens", "0", "--timeout", "120"],
+            "--runs-dir",
+            str(cli.runs),
+            "--name",
+            f"{name}-{label}",
+            *extra,
             env=env,
-        )  # fmt: skip
+        )
         if proc.returncode != 0:
             return False, f"{label}: {_failed(proc)}"
         runs[label] = [r for r in _records(cli.runs / f"{name}-{label}") if "lr" in r]
@@ -465,9 +504,14 @@ def run_cuda_checks(chosen: list[str], cpu: bool, report: Report, work: Path) ->
         name = f"{backend}{world}.{cuda_checks.BF16_OFFLOAD}"
         if name in chosen and not report.spent([name]):
             for result in run_group(
-                backend, dev, world, [cuda_checks.BF16_OFFLOAD], work, report.deadline,
+                backend,
+                dev,
+                world,
+                [cuda_checks.BF16_OFFLOAD],
+                work,
+                report.deadline,
                 target=cuda_checks.run_rank,
-            ):  # fmt: skip
+            ):
                 report.add(*result)
     for backend, dev, world in csan_groups(cpu):
         name = f"csan.{backend}{world}"
@@ -499,12 +543,23 @@ def run_csan(
     limit = min(CSAN_TIMEOUT_S, deadline - time.monotonic())
     proc = run_bounded(
         _child(
-            "csan", "--backend", backend, "--device", device_type, "--world", str(world),
-            "--out", str(out), "--work", str(work), "--timeout", str(max(10.0, limit - 30)),
+            "csan",
+            "--backend",
+            backend,
+            "--device",
+            device_type,
+            "--world",
+            str(world),
+            "--out",
+            str(out),
+            "--work",
+            str(work),
+            "--timeout",
+            str(max(10.0, limit - 30)),
         ),
         limit,
         NO_SANITIZER,
-    )  # fmt: skip
+    )
     results = json.loads(out.read_text()) if out.is_file() else []
     return cuda_checks.csan_verdict(
         proc.returncode, proc.stdout + proc.stderr, results, sanitized=device_type == "cuda"

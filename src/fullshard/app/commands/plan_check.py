@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from fullshard.app.commands.plan_measure import measure_device
+from fullshard.app.config import ParallelismConfig
 from fullshard.app.launch.local import rank_session, resolve_backend
 from fullshard.app.models.gpt import build_model, lm_loss, unit_types_of
 from fullshard.app.models.planning import model_vocab, plan_builtin
@@ -105,8 +106,12 @@ def _check(
     with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
         model = build_model(args.model, vocab, seed=0, device=device, lazy_weights=True)
         group = config.shard_group(world)
-        shard_model(model, args.strategy, unit_types_of(model), shard_size=group,
-                    activation_checkpointing=config.checkpointing == "full")  # fmt: skip
+        parallelism = ParallelismConfig(
+            strategy=args.strategy,
+            shard_size=group,
+            activation_checkpointing=config.checkpointing == "full",
+        )
+        shard_model(model, parallelism, unit_types_of(model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(rank)
 
@@ -187,8 +192,9 @@ def _rates_of_the_moment(
         memory_bandwidth=min(r["memory_bandwidth"] for r in rates),
         efficiency=replace(config.hardware.efficiency, launch_s=max(r["launch_s"] for r in rates)),
     )
-    plan = plan_builtin(model, world, replace(config, hardware=hw), vocab_size=vocab,
-                        with_recommendation=False)  # fmt: skip
+    plan = plan_builtin(
+        model, world, replace(config, hardware=hw), vocab_size=vocab, with_recommendation=False
+    )
     return plan.step.step_s if plan.step else None
 
 

@@ -31,7 +31,7 @@ from fullshard.app.commands.checks import (
     positive_seconds,
     writable_folder,
 )
-from fullshard.app.config import add_config_options
+from fullshard.app.config import ParallelismConfig, add_config_options
 from fullshard.app.dims import ParallelDims, under_torchrun
 from fullshard.app.launch.local import (
     check_devices,
@@ -121,7 +121,8 @@ def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device
         torch.set_num_threads(args.threads)
     model = build_model(args.model, 256, seed=0, device=device, lazy_weights=True)
     n_params = count_params(model)
-    plan = shard_model(model, args.strategy, unit_types_of(model), shard_size=args.shard_size)
+    parallelism = ParallelismConfig(strategy=args.strategy, shard_size=args.shard_size)
+    plan = shard_model(model, parallelism, unit_types_of(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     batches = [

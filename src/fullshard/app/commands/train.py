@@ -17,6 +17,11 @@ from pathlib import Path
 
 from fullshard.app.commands.checks import dims_of, flag, model_and_length, writable_folder
 from fullshard.app.config import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    ParallelismConfig,
     TrainConfig,
     add_train_arguments,
     config_from_args,
@@ -55,8 +60,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     launched = cfg is not None
     cfg = cfg or config_from_args(args)
     # the run's parallel dimensions, built once: validation, the launch and the trainer share it
+    p = cfg.parallelism
     dims = ParallelDims.from_env(
-        cfg.nproc, tp=cfg.tp, strategy=cfg.strategy, shard_size=cfg.shard_size
+        cfg.launch.nproc, tp=p.tp, strategy=p.strategy, shard_size=p.shard_size
     )
     if not launched:
         validate(cfg, dims)
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         return _launch(cfg, argv)
     from fullshard.app.launch.preempt import PREEMPTED_EXIT
 
-    if cfg.elastic:
+    if cfg.launch.elastic:
         from fullshard.app.train.elastic import train_elastic as train
     else:
         from fullshard.app.train.trainer import train
@@ -80,14 +86,17 @@ def _launch(cfg: TrainConfig, argv: list[str]) -> int:
     from fullshard.app.errors import RESUME_ENV, resume_command
     from fullshard.app.launch.local import launch_local
 
-    if cfg.name is None:  # named here, so that restarted ranks find the same run folder
-        cfg.name = time.strftime("%Y%m%d-%H%M%S")
-    env = {**os.environ, **to_env(cfg), RESUME_ENV: resume_command(argv, cfg.name)}
-    if cfg.elastic:
+    if cfg.output.name is None:  # named here, so that restarted ranks find the same run folder
+        cfg.output.name = time.strftime("%Y%m%d-%H%M%S")
+    env = {**os.environ, **to_env(cfg), RESUME_ENV: resume_command(argv, cfg.output.name)}
+    launch = cfg.launch
+    if launch.elastic:
         from fullshard.app.launch.elastic import launch_elastic
 
-        return launch_elastic(cfg.nproc, ["train"], max_replacements=cfg.max_replacements, env=env)
-    return launch_local(cfg.nproc, ["train"], max_restarts=cfg.max_restarts, env=env)
+        return launch_elastic(
+            launch.nproc, ["train"], max_replacements=launch.max_replacements, env=env
+        )
+    return launch_local(launch.nproc, ["train"], max_restarts=launch.max_restarts, env=env)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,59 +114,76 @@ def validate(cfg: TrainConfig, dims: ParallelDims | int) -> None:
     from fullshard.app.data.checks import check_data
     from fullshard.app.train.world import check_world
 
-    dims = dims_of(dims, cfg.tp, cfg.strategy, cfg.shard_size)
+    p = cfg.parallelism
+    dims = dims_of(dims, p.tp, p.strategy, p.shard_size)
     _check_numbers(cfg)
-    if cfg.data is not None and not Path(cfg.data).exists():
-        raise ConfigError(
-            f"data path {cfg.data!r} does not exist: give a text file or a folder of text files "
-            "(or omit --data for the built-in corpus)"
-        )
-    if cfg.tokenizer != "byte" and not Path(cfg.tokenizer).is_dir():
-        raise ConfigError(
-            f"tokenizer {cfg.tokenizer!r} is neither 'byte' nor a local tokenizer directory"
-        )
-    if cfg.elastic:
+    _check_paths(cfg.model, cfg.data)
+    if cfg.launch.elastic:
         _check_elastic(cfg)
     check_world(cfg, dims)
-    kind, name = model_and_length(cfg.model, cfg.seq_len, "--seq-len")
-    _check_float8(cfg)
+    kind, name = model_and_length(cfg.model.name, cfg.data.seq_len, "--seq-len")
+    _check_float8(p)
     _check_devices(cfg, dims)
-    run_dir = Path(cfg.runs_dir) / cfg.name if cfg.name else Path(cfg.runs_dir)
-    writable_folder(run_dir, "--runs-dir/--name" if cfg.name else "--runs-dir")
-    if cfg.checkpoint_dir is not None:
-        writable_folder(cfg.checkpoint_dir, "--checkpoint-dir")
+    _check_folders(cfg.output, cfg.checkpoint)
     _check_resume(cfg)
     check_data(cfg, dims)
     if kind == "hf":
-        _check_hf_weights(cfg.model, name)
-    if cfg.tp > 1:
-        _check_tensor_parallel(cfg)
+        _check_hf_weights(cfg.model.name, name)
+    if p.tp > 1:
+        _check_tensor_parallel(cfg.model.name, p.tp)
+
+
+# the options that count something: at least 1, or at least 0
+POSITIVE = ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nproc", "threads")
+COUNTS = ("eval_every", "eval_batches", "warmup_steps", "sample_tokens", "top_k", "shard_size")
+COUNTS_TOO = ("max_restarts", "save_every", "keep", "stop_after", "micro_batch_size")
+FINITE = ("lr", "timeout", "clip", "weight_decay", "temperature", "beta1", "beta2")
 
 
 def _check_numbers(cfg: TrainConfig) -> None:
     """Counts, fractions and rates in their ranges."""
-    positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "nproc", "threads")
-    for key in (*positive, "tp"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"{flag(key)} must be at least 1, got {getattr(cfg, key)}")
-    counts = ("eval_every", "eval_batches", "warmup_steps", "sample_tokens", "top_k", "shard_size")
-    restarts = ("max_restarts", "save_every", "keep", "stop_after", "micro_batch_size")
-    for key in (*counts, *restarts, "max_replacements"):
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"{flag(key)} must be >= 0, got {getattr(cfg, key)}")
-    if not 0.0 <= cfg.val_fraction < 1.0:
-        raise ConfigError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")
-    for key in ("lr", "timeout", "clip", "weight_decay", "temperature", "beta1", "beta2"):
-        if not math.isfinite(getattr(cfg, key)):  # argparse's float() takes "nan" and "inf"
+    options = cfg.options()
+    for key in (*POSITIVE, "tp"):
+        if options[key] < 1:
+            raise ConfigError(f"{flag(key)} must be at least 1, got {options[key]}")
+    for key in (*COUNTS, *COUNTS_TOO, "max_replacements"):
+        if options[key] < 0:
+            raise ConfigError(f"{flag(key)} must be >= 0, got {options[key]}")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {cfg.data.val_fraction}")
+    for key in FINITE:
+        if not math.isfinite(options[key]):  # argparse's float() takes "nan" and "inf"
             raise ConfigError(f"{flag(key)} must be a finite number")
-    if cfg.lr <= 0 or cfg.timeout <= 0 or cfg.clip < 0 or cfg.weight_decay < 0:
+    o = cfg.optimizer
+    if o.lr <= 0 or cfg.launch.timeout <= 0 or cfg.training.clip < 0 or o.weight_decay < 0:
         raise ConfigError("--lr and --timeout must be positive, --clip and --weight-decay >= 0")
-    if not (0.0 <= cfg.beta1 < 1.0 and 0.0 <= cfg.beta2 < 1.0):
+    if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
         raise ConfigError(
-            f"AdamW's --beta1 and --beta2 must be in [0, 1), got {cfg.beta1} and {cfg.beta2}"
+            f"AdamW's --beta1 and --beta2 must be in [0, 1), got {o.beta1} and {o.beta2}"
         )
-    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"--min-lr-ratio must be in [0, 1], got {o.min_lr_ratio}")
+
+
+def _check_paths(model: ModelConfig, data: DataConfig) -> None:
+    """``--data`` exists (the corpus itself: ``check_data``), ``--tokenizer`` is one."""
+    if data.path is not None and not Path(data.path).exists():
+        raise ConfigError(
+            f"data path {data.path!r} does not exist: give a text file or a folder of text files "
+            "(or omit --data for the built-in corpus)"
+        )
+    if model.tokenizer != "byte" and not Path(model.tokenizer).is_dir():
+        raise ConfigError(
+            f"tokenizer {model.tokenizer!r} is neither 'byte' nor a local tokenizer directory"
+        )
+
+
+def _check_folders(output: OutputConfig, checkpoint: CheckpointConfig) -> None:
+    """The run folder and the checkpoint folder can be written."""
+    run_dir = Path(output.runs_dir) / output.name if output.name else Path(output.runs_dir)
+    writable_folder(run_dir, "--runs-dir/--name" if output.name else "--runs-dir")
+    if checkpoint.dir is not None:
+        writable_folder(checkpoint.dir, "--checkpoint-dir")
 
 
 def _check_elastic(cfg: TrainConfig) -> None:
@@ -172,24 +198,24 @@ def _check_elastic(cfg: TrainConfig) -> None:
             "--elastic on one machine"
         )
     unsupported = {
-        "--max-restarts": cfg.max_restarts > 0,
-        "--cpu-offload": cfg.cpu_offload,
-        "--async-save": cfg.async_save,
-        "--tp": cfg.tp > 1,
-        "--mixed-precision fp16": cfg.mixed_precision == "fp16",
+        "--max-restarts": cfg.launch.max_restarts > 0,
+        "--cpu-offload": cfg.parallelism.cpu_offload,
+        "--async-save": cfg.checkpoint.async_save,
+        "--tp": cfg.parallelism.tp > 1,
+        "--mixed-precision fp16": cfg.parallelism.mixed_precision == "fp16",
     }
     for option, on in unsupported.items():
         if on:
             raise ConfigError(f"--elastic with {option} is not supported: drop one of them")
-    if cfg.elastic_every < 1:
-        raise ConfigError(f"--elastic-every must be at least 1, got {cfg.elastic_every}")
+    if cfg.launch.elastic_every < 1:
+        raise ConfigError(f"--elastic-every must be at least 1, got {cfg.launch.elastic_every}")
 
 
-def _check_float8(cfg: TrainConfig) -> None:
+def _check_float8(p: ParallelismConfig) -> None:
     """``--float8``: not with ``--tp`` yet, and torchao installed."""
-    if not cfg.float8:
+    if not p.float8:
         return
-    if cfg.tp > 1:
+    if p.tp > 1:
         raise ConfigError("--float8 with --tp is not supported yet: drop one of them")
     from fullshard.app.models.wrap import float8_missing
 
@@ -203,8 +229,8 @@ def _check_devices(cfg: TrainConfig, dims: ParallelDims) -> None:
     implementation gives the same bits where ``--deterministic`` promises them."""
     from fullshard.app.launch.local import check_devices
 
-    device_type, _ = check_devices(cfg.device, cfg.backend, dims.local_world)
-    if cfg.optimizer_impl == "fused" and cfg.deterministic and device_type == "cpu":
+    device_type, _ = check_devices(cfg.launch.device, cfg.launch.backend, dims.local_world)
+    if cfg.optimizer.impl == "fused" and cfg.training.deterministic and device_type == "cpu":
         # measured: 49 of 60 seeded runs of 5 steps differed between a whole tensor and the
         # same tensor split in two or in 142 pieces (CUDA's fused kernel does one float
         # computation for every element)
@@ -216,18 +242,24 @@ def _check_devices(cfg: TrainConfig, dims: ParallelDims) -> None:
         )
 
 
+def _checkpoint_root(cfg: TrainConfig) -> str:
+    """The run's checkpoint folder: ``--checkpoint-dir``, or the run folder's."""
+    run = Path(cfg.output.runs_dir) / str(cfg.output.name)
+    return cfg.checkpoint.dir or str(run / "checkpoints")
+
+
 def resume_folder(cfg: TrainConfig) -> str | None:
     """The committed checkpoint folder ``--resume`` names now (``None``: none there)."""
     from fullshard.checkpoint.store import MANIFEST, latest_checkpoint
 
-    if cfg.resume is None:
+    resume = cfg.checkpoint.resume
+    if resume is None:
         return None
-    if cfg.resume == "latest":
-        root = cfg.checkpoint_dir or str(Path(cfg.runs_dir) / str(cfg.name) / "checkpoints")
-        return latest_checkpoint(root)
-    if os.path.isfile(os.path.join(cfg.resume, MANIFEST)):
-        return cfg.resume
-    return latest_checkpoint(cfg.resume)
+    if resume == "latest":
+        return latest_checkpoint(_checkpoint_root(cfg))
+    if os.path.isfile(os.path.join(resume, MANIFEST)):
+        return resume
+    return latest_checkpoint(resume)
 
 
 def _check_resume(cfg: TrainConfig) -> None:
@@ -239,42 +271,43 @@ def _check_resume(cfg: TrainConfig) -> None:
     (A run that torchrun restarts resumes from its latest checkpoint without ``--resume``, and
     starts fresh when it has none; see the trainer.)
     """
-    if cfg.resume is None:
+    resume = cfg.checkpoint.resume
+    if resume is None:
         return
     from fullshard.checkpoint.store import MANIFEST, read_manifest, verify
 
     fresh = "to start a new run instead, drop --resume"
-    if cfg.resume != "latest" and not Path(cfg.resume).exists():
-        raise ConfigError(f"--resume {cfg.resume!r}: no such checkpoint (or use 'latest')")
-    if cfg.resume == "latest" and cfg.checkpoint_dir is None and cfg.name is None:
+    if resume != "latest" and not Path(resume).exists():
+        raise ConfigError(f"--resume {resume!r}: no such checkpoint (or use 'latest')")
+    if resume == "latest" and cfg.checkpoint.dir is None and cfg.output.name is None:
         raise ConfigError(
             "--resume latest continues a named run, but no --name was given (a run without one "
             "gets a new, empty folder): give the --name of the run to continue, or its "
             f"--checkpoint-dir; {fresh}"
         )
     folder = resume_folder(cfg)
-    if folder is None and cfg.resume != "latest":
+    if folder is None and resume != "latest":
         raise ConfigError(
-            f"--resume {cfg.resume}: not a committed checkpoint (no {MANIFEST}) nor a folder "
+            f"--resume {resume}: not a committed checkpoint (no {MANIFEST}) nor a folder "
             f"holding one (step_N/): give a checkpoint folder, or 'latest'; {fresh}"
         )
     if folder is None:
-        root = cfg.checkpoint_dir or str(Path(cfg.runs_dir) / str(cfg.name) / "checkpoints")
         raise ConfigError(
-            f"--resume latest: {root} holds no committed checkpoint (check --name, --runs-dir "
-            f"or --checkpoint-dir: they must be those of the run to continue); {fresh}"
+            f"--resume latest: {_checkpoint_root(cfg)} holds no committed checkpoint (check "
+            "--name, --runs-dir or --checkpoint-dir: they must be those of the run to continue); "
+            f"{fresh}"
         )
     problem = verify(folder, hashes=False)
     if problem:
         raise ConfigError(
-            f"--resume {cfg.resume}: checkpoint {folder} is damaged: {problem}. Nothing was "
+            f"--resume {resume}: checkpoint {folder} is damaged: {problem}. Nothing was "
             "changed: resume from an earlier checkpoint (--resume PATH), or drop --resume"
         )
     saved = read_manifest(folder).get("optimizer", "adamw")  # (older checkpoints: AdamW)
-    if saved != cfg.optimizer:
+    if saved != cfg.optimizer.name:
         raise ConfigError(
-            f"--resume {cfg.resume}: checkpoint {folder} holds {saved}'s optimizer state, and "
-            f"this run asks for --optimizer {cfg.optimizer}: resume with --optimizer {saved}"
+            f"--resume {resume}: checkpoint {folder} holds {saved}'s optimizer state, and this "
+            f"run asks for --optimizer {cfg.optimizer.name}: resume with --optimizer {saved}"
         )
 
 
@@ -296,13 +329,13 @@ def _check_hf_weights(spec: str, name: str) -> None:
         raise ConfigError(f"--model {spec}: {exc}") from None
 
 
-def _check_tensor_parallel(cfg: TrainConfig) -> None:
+def _check_tensor_parallel(spec: str, tp: int) -> None:
     """The model has a TP plan and its split dimensions divide by ``--tp`` (on the meta
     device: no memory)."""
     from fullshard.app.models.gpt import build_model, unit_types_of
     from fullshard.app.models.tensor_parallel import check_divisible
 
-    model = build_model(cfg.model, 256, device="meta")
+    model = build_model(spec, 256, device="meta")
     types = unit_types_of(model)
     for block in [m for m in model.modules() if isinstance(m, types)][:1]:
-        check_divisible(block, cfg.tp)
+        check_divisible(block, tp)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from fullshard.app.config import TrainingConfig
 from fullshard.comm import control
 from fullshard.comm.device import new_event
 from fullshard.policies import FullshardError
@@ -130,14 +131,14 @@ class StepBook:
 
     def __init__(
         self,
-        cfg: Any,
+        training: TrainingConfig,
         rank: int,
         skips_itself: bool,
         log: Any,
         losses: list[float],
         skipped: list[int],
     ) -> None:
-        self.cfg, self.rank, self.skips_itself, self.log = cfg, rank, skips_itself, log
+        self.training, self.rank, self.skips_itself, self.log = training, rank, skips_itself, log
         self.losses, self.skipped = losses, skipped
         self.preempted, self.stop, self.grad_norm = False, 0.0, float("nan")
 
@@ -149,14 +150,14 @@ class StepBook:
             bad = self.skips_itself and v.nonfinite
             self.grad_norm = v.grad_norm
             # a signal after the last step's vote changes nothing: the run is complete
-            if v.stop > 0 and v.step < self.cfg.max_steps:
+            if v.stop > 0 and v.step < self.training.max_steps:
                 self.preempted, self.stop = True, v.stop
             if not bad:
                 self.losses.append(v.loss)
                 continue
             # every rank reached the same verdict: no rank's parameters change that step
             self.skipped.append(v.step)
-            if self.cfg.on_nonfinite == "stop":
+            if self.training.on_nonfinite == "stop":
                 raise NonFiniteError(
                     f"rank {self.rank}: step {v.step} produced a non-finite loss or gradient "
                     f"(loss {v.loss}, gradient norm {v.grad_norm}); stopping "
