@@ -1,4 +1,4 @@
-"""The CUDA-path checks of ``scripts/gpu_check.py`` (issue 21), and the subprocess two of them run.
+"""The CUDA-path checks of the GPU checks (``gpu_check.py``) (issue 21), and the subprocess two of them run.
 
 - ``<group>.bf16_offload``, in a group's spawned ranks (``run_rank``, as ``gpu_check_ranks``):
   bf16 parameters *and* reduce (``MixedPrecisionPolicy(param_dtype=bf16)``, no ``reduce_dtype``)
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
+SRC = HERE.parents[1] / "src"
 for _p in (str(SRC), str(HERE)):  # this checkout's fullshard, and gpu_check_ranks
     if _p not in sys.path:
         sys.path.insert(0, _p)

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python scripts/bench_prepare.py                       # 1 GB corpus (the lead's measurement)
-    python scripts/bench_prepare.py --size-mb 20 --small-mb 5 --out /tmp/prepare.json   # a check
+    python benchmarks/bench_prepare.py                       # 1 GB corpus (the lead's measurement)
+    python benchmarks/bench_prepare.py --size-mb 20 --small-mb 5 --out /tmp/prepare.json   # a check
 
 1. Generates a synthetic corpus of ``--size-mb`` MB (deterministic word-like text: words drawn
    from a fixed vocabulary of made-up words, with lines and paragraphs; written in chunks to a

@@ -1,6 +1,6 @@
 """Peak host memory per rank of loading a Hugging Face checkpoint: sharded vs full load.
 
-Usage: ``python scripts/bench_load.py [--nprocs 2,4] [--out docs/bench/load.json]
+Usage: ``python benchmarks/bench_load.py [--nprocs 2,4] [--out docs/bench/load.json]
 [--checkpoint DIR] [--layers 12]``
 
 Writes a GPT-2 124M-shaped safetensors checkpoint (``transformers`` GPT2 config: n_embd 768,

@@ -1,6 +1,6 @@
 """Checkpoint save/load time and size for a built-in model (the figures in the issue notes).
 
-Usage: ``python scripts/bench_checkpoint.py [--model demo] [--nproc 2] [--repeats 3]``
+Usage: ``python benchmarks/bench_checkpoint.py [--model demo] [--nproc 2] [--repeats 3]``
 
 Each rank (gloo, 1 thread) builds the model, shards it (FULL_SHARD), takes one AdamW step (so
 the optimizer state exists), then times, as medians over ``--repeats``: a synchronous save

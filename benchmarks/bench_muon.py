@@ -19,7 +19,7 @@ in the exchange (waits included). One unsharded process's Muon step on the same 
 0 alone, the other ranks waiting: "x 1-proc" divides by it), and before the ranks start in this
 process (one thread, as each rank). Prints a table and writes ``--out`` (JSON).
 
-    python scripts/bench_muon.py --nproc 2 4 --out docs/muon_bench.json
+    python benchmarks/bench_muon.py --nproc 2 4 --out docs/muon_bench.json
 """
 
 from __future__ import annotations
