@@ -3,9 +3,14 @@ source with ``ast``, between modules and between the parts of every package.
 
 A cycle makes the import order matter (the second module of the loop sees the first half
 initialised: an ``ImportError`` or a missing name that depends on which module a program imports
-first), and it ties modules together so that neither can be read, tested or moved alone. Layers
-(``tests/test_layers.py``) forbid upward imports between layers and between the application's
-parts; this forbids loops inside one.
+first), and it ties modules together so that neither can be read, tested or moved alone.
+
+No loop at any depth is also no arrow that runs back up at any depth: with none, every package's
+parts stand on floors, each above all it imports (its longest chain down), and every import runs
+down a floor or more; one loop, and one of its arrows must climb. Where the design orders the
+floors itself, ``tests/fast/test_fast_layers.py`` holds the code to that order: the layers of
+docs/design.md between packages, and the application's parts in the order its ``__init__``
+declares.
 
 At every depth: inside each package, its parts (each module, and each subpackage with all that
 lies under it) must not import each other in a loop either. Two subpackages whose modules import

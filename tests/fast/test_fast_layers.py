@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.fast
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "fullshard"
 TOP = 11  # the package's __init__: the public surface, which only the applications may import
 
