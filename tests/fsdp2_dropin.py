@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -77,14 +78,19 @@ def _structured_activations(rank: int, world: int, impl: str) -> dict:
     return {"diff": 0.0, "grads": grads}
 
 
-def _load_assign_into_meta(rank: int, world: int, impl: str) -> dict:
+def _load_assign_into_meta(rank: int, world: int, impl: str, inside: bool = False) -> dict:
     """accelerate's cpu_ram_efficient_loading: shard on meta, then load_state_dict(sd,
-    assign=True) of DTensors distributed from rank 0's full weights; trains as one process."""
+    assign=True) of DTensors distributed from rank 0's full weights; trains as one process.
+    ``inside``: fully_shard called inside the ``torch.device("meta")`` context too (as torch's
+    meta-init tests do), where a buffer the call makes without a device would be meta."""
     ref, src = _setup()
     with torch.device("meta"):
         torch.manual_seed(0)
         model = Net()
-    shard(model, impl)
+        if inside:
+            shard(model, impl)
+    if not inside:
+        shard(model, impl)
     full = src.state_dict()
     sd = {}
     for k, meta_param in model.state_dict().items():
@@ -257,6 +263,9 @@ def _state_accessor(rank: int, world: int, impl: str) -> dict:
 CASES: dict[str, Callable[[int, int, str], dict]] = {
     "structured activations under mixed precision": _structured_activations,
     "load_state_dict(assign=True) into meta shards": _load_assign_into_meta,
+    "fully_shard inside torch.device('meta'), then loaded": partial(
+        _load_assign_into_meta, inside=True
+    ),
     "activation checkpointing under mixed precision": _checkpoint_under_mixed_precision,
     "FSDP2's error types": _error_types,
     "fully_shard.state(module)": _state_accessor,

@@ -12,6 +12,17 @@ an error naming every rank's position. On NCCL it makes the *current CUDA stream
 collective (``work.wait()`` without a timeout: a stream dependency, no host synchronisation);
 a stuck peer is then caught by the process group's own timeout and watchdog. Callers choose the
 stream that waits (``engine/streams.py``).
+
+NOTE [A step's collectives on the host]
+A unit's collectives (``Comm``) are issued where the host's time per collective decides a
+host-bound step (issue 45), so what does not change between them is found once: whether the
+group moves the tensor's device (``check_tensor``, NOTE [Device discipline]) and how its work is
+waited for (``_host_wait``), per (group, device), and the group's backend name per group
+(``comm.device.backend_name``). What may change between collectives keeps the general path,
+``_issue``: debug fingerprints, a forward whose gathers are fingerprinted (NOTE [Units every
+rank runs]), a timeline, the CUDA emulation's model of each collective, gloo's reduce-scatter as
+an all-to-all (NOTE [Reduce-scatter on gloo]), a fixed-order sum, a custom collective. Both
+paths count the same bytes and return the same ``Pending``.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from fullshard.comm.desync import (
     moves_data,
     timed_wait,
 )
-from fullshard.comm.device import check_tensor
+from fullshard.comm.device import backend_name, check_tensor
 from fullshard.comm.runtime import runtime
 from fullshard.policies import Phase
 
@@ -127,7 +138,7 @@ def _host_wait(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
     if runtime().checked:
         return False
     # torch's fake group on CUDA takes NCCL's path too (scripts/gpu_check.py runs it at world 8)
-    backend = str(dist.get_backend(group))
+    backend = backend_name(group)
     return not (tensor.is_cuda and ("nccl" in backend or backend == "fake"))
 
 
@@ -331,7 +342,7 @@ def reduce_scatter(
     blocks, so the caller can compare the ranks' tags exactly. NCCL keeps its reduce-scatter.
     """
     world = dist.get_world_size(group)
-    gloo = dist.get_backend(group) == "gloo"
+    gloo = backend_name(group) == "gloo"
     if gloo or fixed_order:
         recv = torch.empty_like(full.view(-1))
         pending = _summed_locally(
@@ -575,6 +586,42 @@ class Comm:
     def __post_init__(self) -> None:
         if self.interrupt is None:
             self.interrupt = interrupt_for(self.group)
+        # (group, device) -> how its collectives are waited for, once its device was checked
+        self._routes: dict[tuple[dist.ProcessGroup, torch.device], bool] = {}
+
+    def _plain_route(
+        self, group: dist.ProcessGroup, tensor: torch.Tensor, what: str
+    ) -> bool | None:
+        """NOTE [A step's collectives on the host]: how a collective of ``group`` on
+        ``tensor``'s device is waited for (``_host_wait``) when nothing asks more of it than
+        issuing, counting and waiting; ``None`` when something does: ``_issue`` then."""
+        stats = self.stats
+        if stats.debug or stats.check_forward or stats.timeline is not None:
+            return None
+        if runtime().checked:
+            return None
+        key = (group, tensor.device)
+        host = self._routes.get(key)
+        if host is None:
+            check_tensor(tensor, group, what)  # NOTE [Device discipline], once per device
+            host = self._routes[key] = _host_wait(tensor, group)
+        return host
+
+    def _issued(
+        self,
+        kind: str,
+        work: dist.Work | None,
+        nbytes: int,
+        what: str,
+        pos: Position,
+        group: dist.ProcessGroup,
+        host_wait: bool,
+    ) -> Pending:
+        self.stats.record(kind, self.unit, nbytes)
+        interrupt = self.interrupt if self.interrupt is not None else interrupt_for(group)
+        return Pending(
+            work, what, self.timeout, self.stats, self.unit, pos, group, host_wait, interrupt
+        )
 
     def position(self, kind: str, phase: Phase, index: int) -> Position:
         return self.stats.next_position(kind, self.unit, phase, index)
@@ -605,6 +652,11 @@ class Comm:
         what = f"all-gather ({pos.label}) of unit '{self.unit}'"
         custom = self.custom_all_gather
         if custom is None:
+            host_wait = self._plain_route(self.group, out, what)
+            if host_wait is not None:
+                work = _all_gather_single(out, send, group=self.group, async_op=True)
+                nbytes = out.numel() * out.element_size()
+                return self._issued("all_gather", work, nbytes, what, pos, self.group, host_wait)
             return all_gather(out, send, self.group, position=pos, **self._bound(what))
         work_fn = lambda: custom(out, send, self.group, async_op=True)  # noqa: E731
         nbytes = out.numel() * out.element_size()
@@ -625,6 +677,15 @@ class Comm:
         custom = self.custom_reduce_scatter
         group = self.reduce_group or self.group
         if custom is None:
+            # gloo's and the fixed order's sums are made here (NOTE [Reduce-scatter on gloo])
+            plain = not self.fixed_order and backend_name(group) != "gloo"
+            host_wait = self._plain_route(group, full, what) if plain else None
+            if host_wait is not None:
+                work = _reduce_scatter_single(
+                    out, full.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
+                )
+                nbytes = full.numel() * full.element_size()
+                return self._issued("reduce_scatter", work, nbytes, what, pos, group, host_wait)
             return reduce_scatter(
                 out,
                 full,

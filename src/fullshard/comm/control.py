@@ -180,15 +180,17 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
         dist.all_gather_object(out, obj, group=group)
         return out
     data = _pickled(obj)
-    sizes = as_host(torch.zeros(world, dtype=torch.int64))
-    mine = as_host(torch.tensor([data.numel()], dtype=torch.int64))
+    # device="cpu" on every buffer of these paths: fully_shard may run inside a
+    # `with torch.device("meta")` (init on meta), which would make them meta tensors
+    sizes = as_host(torch.zeros(world, dtype=torch.int64, device="cpu"))
+    mine = as_host(torch.tensor([data.numel()], dtype=torch.int64, device="cpu"))
     what = "all-gather of objects"
     _wait_host(_all_gather_single(sizes, mine, group=group, async_op=True), group, what)
     counts = sizes.tolist()
     top = max(counts)
-    padded = as_host(torch.zeros(top, dtype=torch.uint8))
+    padded = as_host(torch.zeros(top, dtype=torch.uint8, device="cpu"))
     padded[: data.numel()] = data
-    got = as_host(torch.empty(world * top, dtype=torch.uint8))
+    got = as_host(torch.empty(world * top, dtype=torch.uint8, device="cpu"))
     _wait_host(_all_gather_single(got, padded, group=group, async_op=True), group, what)
     return [
         pickle.loads(got[i * top : i * top + n].numpy().tobytes()) for i, n in enumerate(counts)
@@ -203,10 +205,16 @@ def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = N
         return box[0]
     mine = dist.get_rank() == src
     data = _pickled(obj) if mine else None
-    size = as_host(torch.tensor([0 if data is None else data.numel()], dtype=torch.int64))
+    size = as_host(
+        torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device="cpu")
+    )
     what = "broadcast of an object"
     _wait_host(dist.broadcast(size, src=src, group=group, async_op=True), group, what)
-    buf = data if data is not None else as_host(torch.empty(int(size.item()), dtype=torch.uint8))
+    buf = (
+        data
+        if data is not None
+        else as_host(torch.empty(int(size.item()), dtype=torch.uint8, device="cpu"))
+    )
     _wait_host(dist.broadcast(buf, src=src, group=group, async_op=True), group, what)
     return obj if mine else pickle.loads(buf.numpy().tobytes())
 
@@ -253,9 +261,9 @@ def ring_exchange(
     n = len(payloads)
     # host memory on a GPU machine too (made from data, or marked: the CUDA emulation's
     # all-device mode would otherwise take a plain CPU buffer for device memory)
-    sizes = as_host(torch.zeros(world, n, dtype=torch.int64))
-    sizes[nxt] = torch.tensor([p.numel() for p in payloads], dtype=torch.int64)
-    theirs = as_host(torch.zeros(world, n, dtype=torch.int64))
+    sizes = as_host(torch.zeros(world, n, dtype=torch.int64, device="cpu"))
+    sizes[nxt] = torch.tensor([p.numel() for p in payloads], dtype=torch.int64, device="cpu")
+    theirs = as_host(torch.zeros(world, n, dtype=torch.int64, device="cpu"))
     what = "ring exchange of copies"
     _wait_host(dist.all_to_all_single(theirs, sizes, group=group, async_op=True), group, what)
     got: list[torch.Tensor] = []
@@ -264,7 +272,7 @@ def ring_exchange(
         if buf is not None and buf.numel() == size and buf.dtype == torch.uint8:
             into = buf
         else:
-            into = as_host(torch.empty(size, dtype=torch.uint8))
+            into = as_host(torch.empty(size, dtype=torch.uint8, device="cpu"))
         send = payload.contiguous()
         send = send if send.is_pinned() else as_host(send)
         outs, ins = [0] * world, [0] * world
@@ -288,12 +296,12 @@ def all_to_all_bytes(
     if len(sends) != world:
         raise ValueError(f"all_to_all_bytes needs one block per rank ({world}), got {len(sends)}")
     what = "all-to-all of restore blocks"
-    sizes = as_host(torch.tensor([s.numel() for s in sends], dtype=torch.int64))
-    theirs = as_host(torch.zeros(world, dtype=torch.int64))
+    sizes = as_host(torch.tensor([s.numel() for s in sends], dtype=torch.int64, device="cpu"))
+    theirs = as_host(torch.zeros(world, dtype=torch.int64, device="cpu"))
     _wait_host(dist.all_to_all_single(theirs, sizes, group=group, async_op=True), group, what)
     send = as_host(torch.cat([s.reshape(-1) for s in sends]) if world else sizes[:0])
     counts = theirs.tolist()
-    recv = as_host(torch.empty(sum(counts), dtype=torch.uint8))
+    recv = as_host(torch.empty(sum(counts), dtype=torch.uint8, device="cpu"))
     work = dist.all_to_all_single(recv, send, counts, sizes.tolist(), group=group, async_op=True)
     _wait_host(work, group, what)
     return list(recv.split(counts))

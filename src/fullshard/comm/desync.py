@@ -60,7 +60,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from fullshard.comm.device import cuda_semantics, new_event
+from fullshard.comm.device import backend_name, cuda_semantics, new_event
 from fullshard.policies import FullshardError, Phase
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -81,7 +81,7 @@ class DesyncError(FullshardError):
 
 def moves_data(group: dist.ProcessGroup | None) -> bool:
     """False for a group whose backend moves no data (NOTE [Backends that move no data])."""
-    return str(dist.get_backend(group)).lower() not in NO_DATA_BACKENDS
+    return backend_name(group) not in NO_DATA_BACKENDS
 
 
 def debug_enabled() -> bool:
@@ -110,12 +110,16 @@ class Position:
     @property
     def label(self) -> str:
         """What the collective is, for messages: ``"forward gather"``, ``"reduce-scatter"``..."""
-        return position_label(self.kind, self.phase)
+        label = _LABELS.get((self.kind, self.phase))
+        return label if label is not None else position_label(self.kind, self.phase)
 
     def tag_bytes(self) -> list[int]:
         """The five tag bytes of this position (NOTE [Collective positions])."""
-        phase = PHASE_LABELS.index(self.label)
+        phase = _LABEL_INDEX[self.label]
         return [TAG_MAGIC, self.index >> 8 & 0xFF, self.index & 0xFF, phase, self.seq % 256]
+
+
+_LABEL_INDEX = {label: i for i, label in enumerate(PHASE_LABELS)}
 
 
 def position_label(kind: str, phase: Phase) -> str:
@@ -129,6 +133,11 @@ def position_label(kind: str, phase: Phase) -> str:
     if phase is Phase.BACKWARD:
         return "backward gather"
     return "unshard()"
+
+
+# position_label of every kind and phase, looked up (a position's label is asked twice a
+# collective: its tag and its name in messages)
+_LABELS = {(kind, phase): position_label(kind, phase) for kind in KINDS for phase in Phase}
 
 
 def tags_exact(dtype: torch.dtype, world: int) -> bool:
@@ -160,11 +169,22 @@ def write_static_tag(tail: torch.Tensor, index: int) -> None:
     tail[:3].copy_(_static_tag(tail.device, tail.dtype, index))
 
 
+@functools.lru_cache(maxsize=32)
+def _pair_rows(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """``_tables``' first table as one tensor per row: a row is then taken without an op."""
+    return _tables(device, dtype)[0].unbind(0)
+
+
 def write_dynamic_tag(tail: torch.Tensor, pos: Position) -> None:
     """Phase and sequence of this gather into ``tail[3:5]`` (one copy from a device table)."""
+    write_phase_seq(tail[3:5], pos)
+
+
+def write_phase_seq(slot: torch.Tensor, pos: Position) -> None:
+    """``write_dynamic_tag`` into ``slot``, the tag's last two elements (a view kept by the
+    caller: one copy kernel and nothing else per gather)."""
     b = pos.tag_bytes()
-    pairs, _ = _tables(tail.device, tail.dtype)
-    tail[3:5].copy_(pairs[b[3] * 256 + b[4]])
+    slot.copy_(_pair_rows(slot.device, slot.dtype)[b[3] * 256 + b[4]])
 
 
 def reduce_tag_row(
@@ -176,6 +196,59 @@ def reduce_tag_row(
     parts = [bits[1 if p else 0, 7:] for p in present]
     parts += [bits[b] for b in pos.tag_bytes()]
     return torch.cat(parts)
+
+
+def reduce_tag_columns(
+    pos: Position, present: list[bool], dtype: torch.dtype, device: torch.device, world: int
+) -> list[torch.Tensor]:
+    """``reduce_tag_row`` in every rank's row (``(world, k + 40)``), as two contiguous parts
+    the reduce-scatter's pack concatenates: the presence bits with the tag's first four bytes
+    (alike in every step of a unit), and the sequence byte's bits (one of 256). Up to
+    ``KEEP_TAG_ROWS`` ranks both are kept, so a step's tag costs no kernel of its own; in
+    larger groups (a few kilobytes a unit) each is expanded at each reduce-scatter."""
+    b = pos.tag_bytes()
+    index = b[1] << 8 | b[2]
+    key = (tuple(present), index, b[3], dtype, device)
+    if world > KEEP_TAG_ROWS:
+        _, bits = _tables(device, dtype)
+        head = _reduce_tag_head(*key).expand(world, -1).contiguous()
+        return [head, bits[b[4]].expand(world, -1).contiguous()]
+    return [_reduce_tag_rows(*key, world), _sequence_bits(world, dtype, device)[b[4]]]
+
+
+KEEP_TAG_ROWS = 256  # reduce_tag_columns keeps its rows up to this many ranks
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduce_tag_head(
+    present: tuple[bool, ...], index: int, phase: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    _, bits = _tables(device, dtype)
+    parts = [bits[1 if p else 0, 7:] for p in present]
+    parts += [bits[b] for b in (TAG_MAGIC, index >> 8 & 0xFF, index & 0xFF, phase)]
+    return torch.cat(parts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reduce_tag_rows(
+    present: tuple[bool, ...],
+    index: int,
+    phase: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    world: int,
+) -> torch.Tensor:
+    """``_reduce_tag_head`` in each of ``world`` rows, contiguous."""
+    return _reduce_tag_head(present, index, phase, dtype, device).expand(world, -1).contiguous()
+
+
+@functools.lru_cache(maxsize=32)
+def _sequence_bits(
+    world: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Per sequence byte, its 8 bits in each of ``world`` rows (contiguous)."""
+    _, bits = _tables(device, dtype)
+    return bits.unsqueeze(1).expand(256, world, 8).contiguous().unbind(0)
 
 
 def _bits_to_bytes(bits: list[float]) -> list[int]:
@@ -244,7 +317,8 @@ class Verdict:
         self, rows: torch.Tensor, me: int, pos: Position, group: dist.ProcessGroup | None
     ) -> None:
         """All-gather tags: ``rows[r]`` is rank r's tag; every row must equal row ``me``."""
-        self._add(_Item("gather", rows, pos, group, me, rows.shape[0]))
+        if moves_data(group):  # NOTE [Backends that move no data]: no item to make
+            self._add(_Item("gather", rows, pos, group, me, rows.shape[0]))
 
     def reduce_rows(
         self,
@@ -255,7 +329,8 @@ class Verdict:
         params: list[str],
     ) -> None:
         """Reduce-scatter extra columns of every rank, before the sum (gloo)."""
-        self._add(_Item("rows", rows, pos, group, me, rows.shape[0], params))
+        if moves_data(group):
+            self._add(_Item("rows", rows, pos, group, me, rows.shape[0], params))
 
     def reduce_sums(
         self,
@@ -266,11 +341,13 @@ class Verdict:
         params: list[str],
     ) -> None:
         """Reduce-scatter extra columns after the sum: each tag column must be 0 or ``world``."""
-        self._add(_Item("sums", sums, pos, group, -1, world, params))
+        if moves_data(group):
+            self._add(_Item("sums", sums, pos, group, -1, world, params))
 
     def _add(self, item: _Item) -> None:
-        if not moves_data(item.group):
-            return  # NOTE [Backends that move no data]: nothing came from another rank
+        """Check ``item`` now (host memory) or keep it for ``close`` (device memory); the
+        callers made it only for a group that moves data (NOTE [Backends that move no
+        data]: nothing came from another rank)."""
         deferred = self.defer_cpu or cuda_semantics(item.tensor.device)
         if not deferred:
             self._raise_if_bad(item, late=False)  # free to read: check before use
@@ -343,6 +420,13 @@ class Verdict:
         ``len(item.params)`` columns of a reduce-scatter's) may differ: a rank that did not use
         a parameter sends zeros for it (NOTE [Which gradients exist])."""
         k = len(item.params)
+        if item.kind != "sums" and item.tensor.device.type == "cpu":
+            # host memory (gloo: every collective of a step): a few numbers a rank, compared
+            # as numbers, with no tensor op (this runs three times a unit per step)
+            rows = item.tensor.tolist()
+            mine = rows[item.me][k:]
+            if all(row[k:] == mine for row in rows):
+                return
         t = item.tensor.detach().double().cpu()[..., k:]
         world = item.world
         if item.kind == "sums":
@@ -554,8 +638,11 @@ class Interrupt:
             raise Interrupted(f"{self.what} while this rank waited")
 
 
-# the token of each process group that has one (its owner, fullshard.elastic, sets it)
+# the token of each process group that has one (its owner, fullshard.elastic, sets it), and
+# whether one was ever set in this process (every collective asks: without live recovery the
+# answer is then one read, not a weak dictionary's Python-level lookups)
 _TOKENS: weakref.WeakKeyDictionary[Any, Interrupt] = weakref.WeakKeyDictionary()
+_EVER_SET = [False]
 
 
 def set_interrupt(token: Interrupt | None, group: dist.ProcessGroup | None = None) -> None:
@@ -568,12 +655,13 @@ def set_interrupt(token: Interrupt | None, group: dist.ProcessGroup | None = Non
         _TOKENS.pop(key, None)
     else:
         _TOKENS[key] = token
+        _EVER_SET[0] = True
 
 
 def interrupt_for(group: dist.ProcessGroup | None) -> Interrupt | None:
     """The token waits on ``group`` poll: the group's own, else the default group's (a group
     made from it, an HSDP shard group); ``None`` outside live recovery."""
-    if not _TOKENS:
+    if not _EVER_SET[0] or not _TOKENS:
         return None
     found = _TOKENS.get(group) if group is not None else None
     world = dist.group.WORLD

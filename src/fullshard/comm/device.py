@@ -20,6 +20,8 @@ Outside ``fullshard.comm`` no code calls a ``torch.distributed`` collective dire
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +34,7 @@ from fullshard.policies import FullshardError
 __all__ = [
     "accepted_devices",
     "as_host",
+    "backend_name",
     "check_device",
     "check_tensor",
     "comm_device",
@@ -48,8 +51,26 @@ __all__ = [
 ]
 
 
-def _backend(group: dist.ProcessGroup | None) -> str:
-    return str(dist.get_backend(group)).lower()
+# A group's backend name, looked up once per group: ``dist.get_backend`` costs a microsecond,
+# and every collective of a step asks (the device check, how to wait, whether data moves).
+# By ``id`` with a weak reference that must still be the group (a plain dict lookup; a
+# ``WeakKeyDictionary`` makes a weak reference per lookup), dropped with the group (the
+# default group changes between init_process_group calls; ``None`` is the group of the moment).
+_BACKENDS: dict[int, tuple[weakref.ref[Any], str]] = {}
+
+
+def backend_name(group: dist.ProcessGroup | None) -> str:
+    """The lower-case backend name of ``group`` (``None``: the default group)."""
+    key = group if group is not None else dist.group.WORLD
+    if key is None:
+        return str(dist.get_backend(group)).lower()  # raises: no process group
+    found = _BACKENDS.get(id(key))
+    if found is not None and found[0]() is key:
+        return found[1]
+    name = str(dist.get_backend(group)).lower()
+    i = id(key)
+    _BACKENDS[i] = (weakref.ref(key, lambda _, i=i: _BACKENDS.pop(i, None)), name)  # type: ignore[misc]
+    return name
 
 
 def accepted_devices(group: dist.ProcessGroup | None = None) -> frozenset[str]:
@@ -58,7 +79,11 @@ def accepted_devices(group: dist.ProcessGroup | None = None) -> frozenset[str]:
     A plain ``"nccl"`` group moves CUDA tensors only; ``"gloo"`` moves CPU tensors and CUDA
     tensors; a per-device backend string such as ``"cpu:gloo,cuda:nccl"`` moves both.
     """
-    backend = _backend(group)
+    return _accepted(backend_name(group))
+
+
+@functools.lru_cache(maxsize=64)
+def _accepted(backend: str) -> frozenset[str]:
     if ":" in backend:  # "cpu:gloo,cuda:nccl"
         return frozenset(part.split(":")[0] for part in backend.split(","))
     if backend == "nccl":
@@ -86,7 +111,7 @@ def check_device(device: torch.device, group: dist.ProcessGroup | None, what: st
     rank = dist.get_rank() if dist.is_initialized() else 0
     raise FullshardError(
         f"rank {rank}: {what} got a {device.type} tensor, but the process group's backend "
-        f"({_backend(group)}) moves only {'/'.join(sorted(accepted))} tensors. Put the model "
+        f"({backend_name(group)}) moves only {'/'.join(sorted(accepted))} tensors. Put the model "
         "and its inputs on the GPU (model.to('cuda')) before fully_shard, or train on CPU "
         "with the gloo backend."
     )

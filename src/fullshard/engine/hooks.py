@@ -25,6 +25,17 @@ FSDP2 ends every unit whose inputs need no gradient. In a chain of units that is
 the first units whose inputs are frozen embeddings: the last of the backward, nothing to
 overlap.
 
+NOTE [Gradient accumulators kept]
+Counting NOTE [Post-backward events] asks the engine about each trainable gathered parameter's
+gradient accumulator (``AccumulateGrad``), which a tensor only references weakly: once a
+step's graph is gone, so is the node, and finding it again (``get_gradient_edge``: a
+``view_as`` under ``enable_grad``) cost 6 us a parameter, every step. So a unit keeps the nodes
+it found (as FSDP1 kept its ``AccumulateGrad`` objects): the tensor then gives every later graph
+the same node. It finds them again when what they stand for changed: another ``trainable``
+list (NOTE [Freezing after fully_shard]), another gathered parameter object, or a dtype or
+device of one (``.data =`` of another type is what makes autograd drop a tensor's
+accumulator). The probe's node is kept the same way, for the probe object it belongs to.
+
 NOTE [Backwards restricted to inputs]
 ``torch.autograd.grad(out, inputs)`` and ``out.backward(inputs=...)`` run only the part of the
 graph that leads to ``inputs``: pipelining's first step computes each stage's input gradients
@@ -103,7 +114,7 @@ class _PostBackwardInputs(torch.autograd.Function):
         ctx: Any, state: FSDPState, probe: torch.Tensor, *inputs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.state = state
-        return tuple(t.view_as(t) for t in inputs)
+        return tuple([t.view_as(t) for t in inputs])
 
     @staticmethod
     @outside_compile
@@ -137,6 +148,12 @@ class FSDPState:
         # weak references to this step's input nodes (NOTE [Post-backward events])
         self._input_nodes: list[weakref.ref[Node]] = []
         self._probe: torch.Tensor | None = None  # NOTE [Backwards restricted to inputs]
+        # NOTE [Gradient accumulators kept]: (the probe, its accumulator), and (trainable, their
+        # gathered parameters, their accumulators, their (dtype, device))
+        self._probe_node: tuple[torch.Tensor, Node] | None = None
+        self._accumulators: (
+            tuple[list[Any], list[Any], list[Node], list[tuple[torch.dtype, torch.device]]] | None
+        ) = None
         self._events: tuple[int, list[int]] | None = None  # (graph task, [seen, expected])
         # original_uid(parameter) -> fqn of the original parameters, to catch ties across units
         self.original_uids: dict[int, str] = {}
@@ -226,7 +243,7 @@ class FSDPState:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Gather the unit (the first module of a list unit to run), cast inputs, register the
         post-backward events on them. Also the pre-half of ``register_fsdp_forward_method``."""
-        if _recomputing():
+        if _graph_task() != -1:  # _recomputing()
             assert self.schedule is not None
             self.schedule.pre_recompute(self.unit)
             # the recomputed forward must see what the first one saw: inputs cast the same way
@@ -242,7 +259,8 @@ class FSDPState:
                     self.post_optim_event = None
                 # NOTE [Partial forwards of a list unit]
                 inside = self.schedule.in_forward
-                self._to_run = {id(m) for m in self.modules} if inside else {id(module)}
+                many = inside and len(self.modules) > 1
+                self._to_run = {id(m) for m in self.modules} if many else {id(module)}
                 self.schedule.pre_forward(self.unit)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
@@ -254,7 +272,12 @@ class FSDPState:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         mp = self.unit.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+            dtype = mp.param_dtype
+            if not kwargs and all([isinstance(a, torch.Tensor) for a in args]):
+                # positional tensors only: no tree to flatten and rebuild
+                args = tuple([a.to(dtype) if a.is_floating_point() else a for a in args])
+            else:
+                args, kwargs = _cast_floats((args, kwargs), dtype)
         return args, kwargs
 
     @outside_compile
@@ -301,7 +324,10 @@ class FSDPState:
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        inputs = [t for t in tensor_leaves((args, kwargs)) if t.requires_grad]
+        # positional tensors only (the usual block call): no tree to flatten and rebuild
+        flat = not kwargs and all([isinstance(a, torch.Tensor) for a in args])
+        leaves = args if flat else tensor_leaves((args, kwargs))
+        inputs = [t for t in leaves if t.requires_grad]
         if not inputs:
             return args, kwargs
         device = inputs[0].device
@@ -311,16 +337,27 @@ class FSDPState:
         node = outs[0].grad_fn
         assert node is not None
         it = iter(outs)  # the same tensors, in the same order, as ``inputs``
-        new_args, new_kwargs = map_tensors(
-            lambda t: next(it) if t.requires_grad else t, (args, kwargs)
-        )
-        self._input_nodes = [r for r in self._input_nodes if r() is not None]
-        self._input_nodes.append(weakref.ref(node))
+        if flat:
+            new_args, new_kwargs = tuple([next(it) if a.requires_grad else a for a in args]), kwargs
+        else:
+            new_args, new_kwargs = map_tensors(
+                lambda t: next(it) if t.requires_grad else t, (args, kwargs)
+            )
+        nodes = self._input_nodes
+        if nodes and nodes[0]() is None:  # the last step's graph is gone
+            nodes = self._input_nodes = [r for r in nodes if r() is not None]
+        nodes.append(weakref.ref(node))
         return new_args, new_kwargs
 
     def _register_pre_backward(self, output: Any) -> None:
+        if isinstance(output, torch.Tensor):  # one tensor: autograd's own hook, once per pass
+            if output.requires_grad:
+                output.register_hook(self._pre_backward)
+            return
         tensors = [t for t in tensor_leaves(output) if t.requires_grad]
-        if tensors:
+        if len(tensors) == 1:
+            tensors[0].register_hook(self._pre_backward)
+        elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
 
     # -- backward -------------------------------------------------------------------------
@@ -337,43 +374,79 @@ class FSDPState:
     def on_post_backward_event(self) -> None:
         """Count one NOTE [Post-backward events]; the last one runs the unit's post-backward."""
         assert self.schedule is not None
-        task = torch._C._current_graph_task_id()
-        if self._events is None or self._events[0] != task:
-            self._events = (task, [0, self._expected_events()])
-        counts = self._events[1]
+        task = _graph_task()
+        events = self._events
+        if events is None or events[0] != task:
+            events = self._events = (task, [0, self._expected_events()])
+        counts = events[1]
         counts[0] += 1
         if counts[0] == counts[1]:
             self.schedule.post_backward(self.unit)
 
     def _param_nodes(self) -> list[Node]:
-        nodes: list[Node] = []
-        for p in self.unit.trainable:
-            assert p.unsharded is not None
-            nodes.append(torch.autograd.graph.get_gradient_edge(p.unsharded).node)
+        """The gradient accumulators of the unit's trainable gathered parameters:
+        ``get_gradient_edge(p).node`` of each, kept (NOTE [Gradient accumulators kept])."""
+        trainable = self.unit.trainable
+        kept = self._accumulators
+        if kept is not None and kept[0] is trainable:
+            for p, t, (dtype, device) in zip(trainable, kept[1], kept[3], strict=True):
+                if t.dtype != dtype or t.device != device or p.unsharded is not t:
+                    break
+            else:
+                return kept[2]
+        tensors: list[Any] = [p.unsharded for p in trainable]
+        with torch.enable_grad():
+            nodes = [_accumulator(t) for t in tensors]
+        meta = [(t.dtype, t.device) for t in tensors]
+        self._accumulators = (trainable, tensors, nodes, meta)
         return nodes
 
     def _live_input_nodes(self) -> list[Node]:
-        return [n for n in (ref() for ref in self._input_nodes) if n is not None]
+        return [n for ref in self._input_nodes if (n := ref()) is not None]
 
     def _expected_events(self) -> int:
         """How many events end this backward; -1 (never reached) when only the end of backward
         may end it (NOTE [Post-backward events], frozen parameters)."""
         will = torch._C._will_engine_execute_node
-        from_inputs = sum(1 for n in self._live_input_nodes() if will(n))
+        from_inputs = sum(map(will, self._live_input_nodes()))
         if not from_inputs and len(self.unit.trainable) < len(self.unit.params):
             return -1
-        return from_inputs + sum(1 for n in self._param_nodes() if will(n))
+        return from_inputs + sum(map(will, self._param_nodes()))
 
     def _backward_accumulates(self) -> bool:
         """NOTE [Backwards restricted to inputs]: whether this backward can give the unit's
         parameters a gradient on some rank (``False`` only where it is restricted to
         ``inputs`` and reaches none of them here)."""
         will_run = torch._C._will_engine_execute_node
-        if self._probe is None or not any(will_run(n) for n in self._live_input_nodes()):
+        if self._probe is None or not any(map(will_run, self._live_input_nodes())):
             return True  # the probe is not in this graph: keep the reduction every rank makes
-        if will_run(torch.autograd.graph.get_gradient_edge(self._probe).node):
+        # whether a pass is restricted is one answer for all of its units: asked once per pass
+        task = _graph_task()
+        assert self.schedule is not None
+        seen = self.schedule.restricted
+        if seen is None or seen[0] != task:
+            probe = self._probe_node
+            if probe is None or probe[0] is not self._probe:
+                with torch.enable_grad():  # NOTE [Gradient accumulators kept]
+                    probe = self._probe_node = (self._probe, _accumulator(self._probe))
+            seen = self.schedule.restricted = (task, not will_run(probe[1]))
+        if not seen[1]:
             return True  # not restricted
-        return any(will_run(n) for n in self._param_nodes())
+        return any(map(will_run, self._param_nodes()))
+
+
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
+_OUTSIDE_FUNCTORCH = contextlib.nullcontext()  # nullcontext keeps no state: one serves all
+
+
+def _accumulator(leaf: torch.Tensor | None) -> Node:
+    """The gradient accumulator of ``leaf`` (call under ``enable_grad``): what
+    ``get_gradient_edge(leaf).node`` returns, without building the edge."""
+    assert leaf is not None and leaf.requires_grad and leaf.grad_fn is None
+    node: Any = leaf.view_as(leaf).grad_fn
+    acc = node.next_functions[0][0]
+    assert acc is not None
+    return acc
 
 
 def _engine_only() -> contextlib.AbstractContextManager[Any]:
@@ -385,7 +458,7 @@ def _engine_only() -> contextlib.AbstractContextManager[Any]:
     and output casts, the autograd hooks on them) stay under the transforms."""
     if torch._C._are_functorch_transforms_active():
         return torch._C._DisableFuncTorch()
-    return contextlib.nullcontext()
+    return _OUTSIDE_FUNCTORCH
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
@@ -440,7 +513,7 @@ def _recomputing() -> bool:
     Such a forward must not record prefetch order, prefetch, register backward hooks or free
     anything: it is part of the unit's backward, which is already gathered.
     """
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task() != -1
 
 
 def _check_ties_across_units(states: list[FSDPState]) -> None:

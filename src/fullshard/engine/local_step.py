@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 
-from fullshard.engine.param import as_dtensor, local_of
+from fullshard.engine.param import as_dtensor
 
 # Exact classes whose update of an element depends only on that element's own history.
 ELEMENTWISE = (
@@ -81,10 +82,15 @@ class _LocalSteps:
                 if q is None:
                     continue
                 grad = p.grad
-                q.grad = local_of(grad)
+                # ``local_of`` of the gradient and of each state value, inline: a step
+                # visits every parameter
+                q.grad = grad._local_tensor if isinstance(grad, DTensor) else grad
                 before = state.pop(p, None) or {}
                 if before:
-                    state[q] = {k: local_of(v) for k, v in before.items()}
+                    state[q] = {
+                        k: v._local_tensor if isinstance(v, DTensor) else v
+                        for k, v in before.items()
+                    }
                 params[i] = q
                 swapped.append((p, q, before))
         if swapped:
@@ -119,7 +125,19 @@ class _LocalSteps:
             q.grad = None
             now = state.pop(q, None)
             if now is not None:
-                state[p] = {k: _wrap(v, before.get(k), q, p) for k, v in now.items()}
+                # the usual case inline: the state the step updated in place is the one it was
+                state[p] = {
+                    k: was
+                    if (was := before.get(k)) is not None
+                    and (getattr(was, "_local_tensor", None) is v or _scalar_kept(was, v))
+                    else _wrap(v, was, q, p)
+                    for k, v in now.items()
+                }
+
+
+def _scalar_kept(before: Any, value: Any) -> bool:
+    """The step updated a 0-dim state tensor (a step count) in place: ``_wrap`` keeps it."""
+    return before is value and isinstance(value, torch.Tensor) and value.dim() == 0
 
 
 def _wrap(value: Any, before: Any, local: torch.Tensor, param: torch.Tensor) -> Any:

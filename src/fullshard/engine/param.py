@@ -412,6 +412,9 @@ class ShardGroup:
         self.flat = torch.zeros(0, dtype=dtype)
         self.storage = GatheredStorage(0, compute_dtype, mesh.device)
         self.unit_name = ""
+        # the storage and its regions the gather's copy-out writes (``FlatLayout.copy_targets``)
+        self._targets: tuple[GatheredStorage, list[torch.Tensor] | None] | None = None
+        self._phase_seq: tuple[torch.Tensor, torch.Tensor] | None = None  # (flat, its tag slot)
 
     @property
     def aliased(self) -> bool:
@@ -514,7 +517,21 @@ class ShardGroup:
     def wire(self) -> torch.Tensor:
         """This rank's shard as the all-gather sends it: on the compute device, in the compute
         dtype (the flat buffer itself when nothing needs to change)."""
-        return self.flat.to(self.mesh.device, self.compute_dtype, non_blocking=True)
+        flat = self.flat
+        if flat.dtype == self.compute_dtype and flat.device == self.mesh.device:
+            return flat
+        return flat.to(self.mesh.device, self.compute_dtype, non_blocking=True)
+
+    def phase_seq_slot(self, part: torch.Tensor) -> torch.Tensor:
+        """The last two elements of ``part`` (this group's send part that ends in the tag):
+        where ``write_phase_seq`` writes. The flat buffer's view is kept (it is sent as it is
+        unless cast)."""
+        if part is not self.flat:
+            return part[-2:]
+        kept = self._phase_seq
+        if kept is None or kept[0] is not part:
+            kept = self._phase_seq = (part, part[-2:])
+        return kept[1]
 
     # -- the all-gather (the unit concatenates its groups' parts; NOTE [Mixed-dtype units]) ---
     def wire_parts(self) -> list[torch.Tensor]:
@@ -536,11 +553,17 @@ class ShardGroup:
 
     def copy_out(self, cols: torch.Tensor, tails: torch.Tensor | None) -> None:
         """This group's columns of the gather output -> its gathered storage (the tag -> tails)."""
-        self.storage.alloc()
+        storage = self.storage
+        storage.alloc()
         if cols.dtype != self.compute_dtype:
             cols = cols.view(self.compute_dtype)
-        with torch.no_grad():
-            self.layout.copy_out(cols, self.storage.flat, tails if self.layout.tail else None)
+        targets = self._targets
+        if targets is None or targets[0] is not storage:  # a storage built since: new views
+            targets = self._targets = (storage, self.layout.copy_targets(storage.flat))
+        # no tensor here requires grad: no ``no_grad`` block (4 us a gather)
+        self.layout.copy_out(
+            cols, storage.flat, tails if self.layout.tail else None, targets=targets[1]
+        )
 
     def gather_locally(self) -> None:
         """One rank: the gather is a cast or a host-to-device copy (none when aliased)."""

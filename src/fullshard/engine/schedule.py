@@ -139,6 +139,10 @@ class Prefetcher:
         # FSDPModule.set_modules_to_*_prefetch, by unit (the FSDPState's own object, so a list
         # set after the root's first forward applies at once)
         self.explicit: dict[CommUnit, ExplicitPrefetch] = {}
+        # the units holding gathered memory, kept by the units themselves (``CommUnit.live``)
+        self.live: set[CommUnit] = set()
+        # unit -> the unit after it in backward (None: the last), made once per recorded order
+        self._backward_next: dict[CommUnit, CommUnit | None] | None = None
 
     # -- recording ------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -146,6 +150,7 @@ class Prefetcher:
             self.last_forward_order = self.pre_forward_order
         self.pre_forward_order = []
         self.post_forward_order = []
+        self._backward_next = None
 
     def record_pre_forward(self, unit: CommUnit) -> None:
         if not unit.optional:  # NOTE [Optional units]: gathered at the root's pre-forward
@@ -154,15 +159,9 @@ class Prefetcher:
     def record_post_forward(self, unit: CommUnit) -> None:
         if not unit.optional:
             self.post_forward_order.append(unit)
+            self._backward_next = None
 
     # -- choosing -------------------------------------------------------------------------
-    def _next(self, order: Sequence[CommUnit], unit: CommUnit) -> list[CommUnit]:
-        # A unit may run more than once per forward; the most recent position is the one we're at.
-        for i in range(len(order) - 1, -1, -1):
-            if order[i] is unit:
-                return list(order[i + 1 : i + 2])
-        return []
-
     def forward_targets(self, unit: CommUnit) -> tuple[list[CommUnit], bool]:
         """What to prefetch when ``unit`` starts its forward, and whether that is an explicit
         list (NOTE [Gathered window]: not bounded by it)."""
@@ -181,7 +180,16 @@ class Prefetcher:
         explicit = self.explicit.get(unit)
         if explicit is not None and explicit.backward is not None:
             return explicit.backward, True
-        return self._next(list(reversed(self.post_forward_order)), unit), False
+        following = self._backward_next
+        if following is None:
+            # backward runs the post-forward order reversed; a unit may run more than once per
+            # forward, and the most recent place is the one we are at (a later key wins)
+            order = self.post_forward_order[::-1]
+            n = len(order)
+            following = {u: order[i + 1] if i + 1 < n else None for i, u in enumerate(order)}
+            self._backward_next = following
+        nxt = following.get(unit)
+        return ([nxt] if nxt is not None else []), False
 
     # -- the window -----------------------------------------------------------------------
     def counts_in_window(self, unit: CommUnit) -> bool:
@@ -189,7 +197,12 @@ class Prefetcher:
 
     def window(self) -> int:
         """Non-root units gathered (or gathering) that count against NOTE [Gathered window]."""
-        return sum(1 for u in self.units if u.gathered and self.counts_in_window(u))
+        root = self.root  # ``counts_in_window`` of each, inline
+        n = 0
+        for u in self.live:
+            if u is not root and u.reshard_after_forward and not u.optional:
+                n += 1
+        return n
 
     def prefetch(
         self, targets: Sequence[CommUnit], phase: Phase, explicit: bool = False
@@ -271,14 +284,18 @@ class StepSchedule:
             self.stats.names[i] = unit.name
         self.prefetcher = Prefetcher(root)
         self.prefetcher.units = units
+        for unit in units:
+            unit.share_live(self.prefetcher.live)
         self.step = 0
         self._callback_task: int | None = None
         self._reducing: list[CommUnit] = []
         # per-backward bookkeeping: units whose backward started / finished
         self.backward_started: set[CommUnit] = set()
         self.backward_done: set[CommUnit] = set()
-        # NOTE [Backwards restricted to inputs]: units this backward gives no gradient here
+        # NOTE [Backwards restricted to inputs]: units this backward gives no gradient here,
+        # and (graph task, whether that pass is restricted), as the first unit asked found
         self.no_gradients: set[CommUnit] = set()
+        self.restricted: tuple[int, bool] | None = None
         self.forwarded: set[CommUnit] = set()
         self.listeners: list[Listener] = []
         self.is_last_backward = True  # FSDPModule.set_is_last_backward
@@ -323,19 +340,22 @@ class StepSchedule:
         if not unit.optional:
             targets, explicit = self.prefetcher.forward_targets(unit)
             self.prefetcher.prefetch(targets, Phase.FORWARD, explicit)
-        self._emit(Point.FORWARD_START, unit)
+        if self.listeners:
+            self._emit(Point.FORWARD_START, unit)
 
     def pre_recompute(self, unit: CommUnit) -> None:
         """A forward recomputed inside backward (activation checkpointing) needs the unit."""
         unit.wait_for_unshard(Phase.BACKWARD)
 
     def post_forward(self, unit: CommUnit, reshard: bool, grad_enabled: bool = True) -> None:
-        self._emit(Point.FORWARD_END, unit)
+        if self.listeners:
+            self._emit(Point.FORWARD_END, unit)
         self.prefetcher.record_post_forward(unit)
         if reshard and not (unit.optional and grad_enabled):  # NOTE [Optional units]
             # a backward will come: a unit with a post-forward group keeps its rows there
             unit.reshard(after_forward=grad_enabled)
-            self._emit(Point.FREE, unit)
+            if self.listeners:
+                self._emit(Point.FREE, unit)
 
     def end_forward(self, grad_enabled: bool) -> None:
         """Root post-forward: free what was prefetched but not used (a changed unit order)."""
@@ -382,7 +402,8 @@ class StepSchedule:
             unit.wait_for_unshard(Phase.BACKWARD)
         targets, explicit = self.prefetcher.backward_targets(unit)
         self.prefetcher.prefetch(targets, Phase.BACKWARD, explicit)
-        self._emit(Point.BACKWARD_START, unit)
+        if self.listeners:
+            self._emit(Point.BACKWARD_START, unit)
 
     def post_backward(self, unit: CommUnit) -> None:
         """The unit's backward is over: reduce-scatter its gradients and free it."""
@@ -396,14 +417,16 @@ class StepSchedule:
         microbatches accumulated without sync: NOTE [What pipelining reads from an FSDP2
         module]); the root's ``end_backward`` then lands the reductions."""
         self.backward_done.add(unit)
-        self._emit(Point.BACKWARD_END, unit)
+        if self.listeners:
+            self._emit(Point.BACKWARD_END, unit)
         if unit.optional:
             return  # NOTE [Optional units]: reduced at the end of backward, on every rank
         if unit not in self.no_gradients:
             self._reduce(unit)
         if unit.reshard_after_backward:
             unit.reshard()
-            self._emit(Point.FREE, unit)
+            if self.listeners:
+                self._emit(Point.FREE, unit)
 
     def _reduce(self, unit: CommUnit) -> None:
         if unit.requires_grad_sync and unit.trainable:
@@ -449,7 +472,8 @@ class StepSchedule:
                 self._reduce(unit)
                 if unit.reshard_after_backward:
                     unit.reshard()
-                    self._emit(Point.FREE, unit)
+                    if self.listeners:
+                        self._emit(Point.FREE, unit)
         # set_is_last_backward(False): on CUDA the reductions are queued whole already
         # (``.grad`` included), and their waits move to the next backward or forward; on the
         # host path the host waits for each anyway, so it does now: ``.grad`` is set after
@@ -472,10 +496,12 @@ class StepSchedule:
             unit.post_forward_shard = None  # kept for a backward that has now passed
             if unit.reshard_after_backward and unit.gathered:
                 unit.reshard()  # kept for a backward that never reached it
-                self._emit(Point.FREE, unit)
+                if self.listeners:
+                    self._emit(Point.FREE, unit)
         if waited:  # CUDA: the reductions' checks are read once compute has waited for them
             self.verdict.close()
-        self._emit(Point.BACKWARD_DONE, self.root)
+        if self.listeners:
+            self._emit(Point.BACKWARD_DONE, self.root)
         self.backward_started.clear()
         self.backward_done.clear()
         self.no_gradients.clear()

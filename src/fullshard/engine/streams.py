@@ -36,7 +36,6 @@ Gathered parameter storage and activations are allocated and freed on compute, i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,6 +45,8 @@ from fullshard.comm.runtime import runtime
 
 # torch.cuda.Event, or the emulation's VirtualEvent (NOTE [The CUDA path on CPU])
 Event = Any
+# the block of a stream switch where there is no stream (nullcontext keeps no state)
+_SERIAL = contextlib.nullcontext()
 
 
 class Streams:
@@ -74,24 +75,18 @@ class Streams:
         if self.gather is not None:
             self.gather.wait_stream(self._compute())
 
-    @contextlib.contextmanager
-    def on(self, stream: Any) -> Iterator[None]:
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         """Run on ``stream`` (its order against compute is set by events and waits)."""
         if stream is None:
-            yield
-            return
-        with use_stream(stream):
-            yield
+            return _SERIAL  # CPU: nothing to switch (a shared object, nothing made per call)
+        return use_stream(stream)
 
-    @contextlib.contextmanager
-    def begin_reduce(self) -> Iterator[None]:
+    def begin_reduce(self) -> contextlib.AbstractContextManager[Any]:
         """Rule 4: run on the reduce stream after everything compute has queued."""
         if self.reduce is None:
-            yield
-            return
+            return _SERIAL
         self.reduce.wait_stream(self._compute())
-        with use_stream(self.reduce):
-            yield
+        return use_stream(self.reduce)
 
     def record(self, stream: Any) -> Event | None:
         """An event at the current end of ``stream`` (``None`` on CPU)."""

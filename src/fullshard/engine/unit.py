@@ -12,6 +12,35 @@ While GATHERED the owning modules see the gathered parameters; otherwise they se
 Only ``wait_for_unshard`` and ``reshard`` swap what the modules see, so a module never sees a
 half-gathered unit.
 
+NOTE [Decided once, checked each step]
+What a unit does in a steady step is the same step after step, and on a GPU the host's time per
+unit decides small and medium models (issue 45). So what each step would otherwise recompute
+is made once and kept with the thing it depends on, and each step only checks, by identity,
+that this thing is still the one it was made for (a check costs an attribute read; the work it
+saves cost tensor ops and Python calls):
+
+- the views the gather's copy-out writes (``FlatLayout.copy_targets``): per gathered storage,
+  made again when a storage is built (a cast, ``to_empty``, a load with ``assign=True``);
+- the tag slot of the send buffer (``ShardGroup.phase_seq_slot``): per flat shard buffer;
+- the reduce-scatter's tag columns (``desync.reduce_tag_columns``): per unit index, presence
+  pattern, dtype and world size;
+- where each gradient lies in the reduced shard (``_grad_rows``): per trainable layout, made
+  again whenever ``trainable`` is (NOTE [Freezing after fully_shard]);
+- the parameter dictionaries the unit writes to show gathered or sharded parameters
+  (``_show``): per unit, for its lifetime (a module keeps its ``_parameters`` dict);
+- the units holding gathered memory (``live``) and the backward's next unit
+  (``Prefetcher.backward_targets``): kept as units change state, and per recorded order;
+- the gradient accumulators the post-backward count asks about: NOTE [Gradient accumulators
+  kept] (hooks.py); whether a backward is restricted to inputs: per graph task;
+- a group's backend and a collective's route: NOTE [A step's collectives on the host].
+
+A change of what the step does (``requires_grad``, a unit skipped or optional, another order,
+another world: a new root and new units) is noticed where it happens, and what depends on it
+is made again there; the ``requires_grad`` flags themselves have no version to compare, so
+each forward reads them (one comprehension of attribute reads per unit: NOTE [Freezing after
+fully_shard]). ``tests/fast/test_fast_host_calls.py`` counts what is left: NOTE [A count, not
+a clock].
+
 NOTE [Resharding to a smaller group]
 ``reshard_after_forward=k`` (an int, FSDP2's): after forward each rank keeps its rows of the
 unit sharded over k ranks (``post_forward_shard``: k consecutive ranks, e.g. one node), so
@@ -55,9 +84,10 @@ from fullshard.comm.desync import (
     UNREGISTERED,
     Position,
     Verdict,
-    reduce_tag_row,
+    reduce_tag_columns,
     tags_exact,
     write_dynamic_tag,
+    write_phase_seq,
     write_static_tag,
 )
 from fullshard.comm.device import cuda_semantics, current_stream, name_tensor
@@ -90,7 +120,7 @@ from fullshard.policies import (
     OffloadPolicy,
     Phase,
 )
-from fullshard.shard.layout import FlatLayout
+from fullshard.shard.layout import FlatLayout, contiguous_stride, local_shape
 
 
 class CommUnit:
@@ -122,6 +152,12 @@ class CommUnit:
         self.verdict = Verdict()  # replaced by the root's
         self.streams: Streams = streams_for(mesh.device)
         self.state = UnitState.SHARDED
+        # the units holding gathered memory, this one among them while it does: its root's
+        # set once it has one (``share_live``), so NOTE [Gathered window] counts a few units,
+        # not every unit of the model, at each prefetch
+        self.live: set[CommUnit] = set()
+        # (module._parameters, name, parameter) of every place a parameter is shown (``_show``)
+        self._refs: list[tuple[dict[str, Any], str, ShardedParam]] | None = None
         # whether forward frees the gathered parameters: decided by ``fully_shard`` (None: FSDP2's
         # default, settled when the unit's parent is sharded (True) or at the root's lazy init
         # (False)); ``FSDPModule.set_reshard_after_forward`` changes it
@@ -175,6 +211,16 @@ class CommUnit:
         self.reduce_dtype = reduce_dtype_of(self.groups, self.mp_policy, self.name)
         world, dims = self.mesh.world_size, [p.dim for p in self.trainable]
         self.grad_layout = FlatLayout([p.shape for p in self.trainable], world, dims=dims)
+        self._grad_dtype: torch.dtype | None = None  # the trainable's one dtype (_set_grads)
+        # where each trainable parameter's rows lie in the reduced shard (``shard_view``'s
+        # answer, made once: a gradient is then one view op)
+        rank, layout = self.mesh.rank, self.grad_layout
+        self._grad_rows = [
+            (shape, contiguous_stride(shape), layout.slots[j].offset)
+            for j, shape in enumerate(
+                local_shape(s.shape, world, rank, s.dim) for s in layout.slots
+            )
+        ]
         self.reduce_tags = world > 1 and tags_exact(self.reduce_dtype, world)
         if self.comm.fixed_order:  # fullshard.deterministic: checked again for what thawed
             refuse_narrow_fixed_order(self.trainable, self.reduce_dtype, self.name)
@@ -233,6 +279,13 @@ class CommUnit:
         for g in self.groups:
             g.write_static_tag(index)
 
+    def share_live(self, live: set[CommUnit]) -> None:
+        """Keep this unit's place in ``live`` (its root's) from now on."""
+        self.live.discard(self)
+        self.live = live
+        if self.gathered:
+            live.add(self)
+
     def set_post_forward_group(self, size: int) -> None:
         """NOTE [Resharding to a smaller group] (``reshard_after_forward=size``)."""
         refuse_regrouping(self.groups, self.name, "reshard_after_forward as an int", one_dtype=True)
@@ -276,6 +329,7 @@ class CommUnit:
         if self.state is not UnitState.SHARDED:
             return
         self.state = UnitState.GATHERING
+        self.live.add(self)
         if self.post_forward_shard is not None and phase is not Phase.BACKWARD:
             self.post_forward_shard = None  # backward did not come for it (another forward)
         if self.mesh.world_size == 1 or not self.params:
@@ -302,7 +356,8 @@ class CommUnit:
                 send = self._wire(pos)
                 numel = send.numel() * self.mesh.world_size
             out = comm.gather_buffer(numel, send.dtype, send.device)
-            name_tensor(out, lambda: f"all-gather output of unit '{self.name}'")
+            if s.cuda:  # a name for the CUDA emulation's messages
+                name_tensor(out, lambda: f"all-gather output of unit '{self.name}'")
             pending = comm.all_gather(out, send, pos)  # type: ignore[arg-type]
         self.gather_in_flight = GatherInFlight(pending, out, send, pos, pf is not None)
 
@@ -311,7 +366,7 @@ class CommUnit:
         tag at the end (NOTE [Collective positions]: written into what is sent, a copy when
         cast)."""
         parts = [t for g in self.groups for t in g.wire_parts()]
-        write_dynamic_tag(parts[-1][-TAG_LEN:], pos)
+        write_phase_seq(self.groups[-1].phase_seq_slot(parts[-1]), pos)
         return join_wire(parts)
 
     def wait_for_unshard(self, phase: Phase = Phase.IDLE) -> None:
@@ -328,21 +383,24 @@ class CommUnit:
         else:
             assert flight.out is not None and flight.send is not None and flight.position
             s = self.streams
-            with s.on(s.gather):
-                flight.pending.wait()  # gloo: bounded host wait; NCCL: the gather stream waits
-            s.compute_waits(s.record(s.gather))
+            if s.cuda:
+                with s.on(s.gather):
+                    flight.pending.wait()  # NCCL: the gather stream waits
+                s.compute_waits(s.record(s.gather))
+            else:
+                flight.pending.wait()  # gloo: a bounded host wait
             tails = self._copy_out(flight)
-            # rule 2: the output (and a cast copy of the shard) may go once the copy-out has
-            # read it; in forward one unit later, so the next all-gather need not wait for it
-            s.gathered([flight.out, flight.send], defer=phase is Phase.FORWARD)
+            if s.cuda:
+                # rule 2: the output (and a cast copy of the shard) may go once the copy-out
+                # has read it; in forward one unit later, so the next all-gather need not wait
+                s.gathered([flight.out, flight.send], defer=phase is Phase.FORWARD)
             pf = self.post_forward if flight.post_forward else None
             me, group = (pf.rank, pf.comm.group) if pf else (self.mesh.rank, self.mesh.group)
             pos = flight.position
             del flight
             # raises before the modules see anything when the check is free (CPU)
             self.verdict.gather(tails, me, pos, group)
-        for p in self.params:
-            p.expose(unsharded=True)
+        self._show(gathered=True)
         self.state = UnitState.GATHERED
 
     def _copy_out(self, flight: GatherInFlight) -> torch.Tensor:
@@ -362,6 +420,9 @@ class CommUnit:
         rows = flight.out.view(world, -1)
         tail_dtype = self.groups[-1].tail_dtype  # the last group carries the tag
         tails = torch.empty(world, TAG_LEN, dtype=tail_dtype, device=rows.device)
+        if len(self.groups) == 1:  # its columns are the whole output
+            self.groups[0].copy_out(rows, tails)
+            return tails
         start = 0
         for g in self.groups:
             width = g.wire_width(rows.dtype)
@@ -377,12 +438,27 @@ class CommUnit:
         if self.state is UnitState.GATHERED:
             if after_forward and self.post_forward is not None and self.mesh.world_size > 1:
                 self._keep_post_forward_shard()
-            for p in self.params:
-                p.expose(unsharded=False)
+            self._show(gathered=False)
             if not self.keep_unsharded_storage:
                 for g in self.groups:
                     g.free()
             self.state = UnitState.SHARDED
+            self.live.discard(self)
+
+    def _show(self, gathered: bool) -> None:
+        """Every owning module sees the gathered (or the sharded) parameters:
+        ``ShardedParam.expose`` for the whole unit, in one loop over the modules' parameter
+        dicts (kept: a module's ``_parameters`` is one dict for its lifetime)."""
+        refs = self._refs
+        if refs is None:
+            refs = self._refs = [(m._parameters, n, p) for p in self.params for m, n in p.refs]
+        if gathered:
+            for params, name, p in refs:
+                assert p.unsharded is not None
+                params[name] = p.unsharded
+        else:
+            for params, name, p in refs:
+                params[name] = p.sharded
 
     def _keep_post_forward_shard(self) -> None:
         """NOTE [Resharding to a smaller group]: this rank's rows of the gathered unit over k."""
@@ -419,7 +495,10 @@ class CommUnit:
             return
         self.finish_reduce()  # at most one reduce-scatter of a unit in flight
         world, dtype, device = self.mesh.world_size, self.reduce_dtype, self.mesh.device
-        grads = [self._full_grad(p) for p in self.trainable]
+        if self.accumulated:  # NOTE [Accumulating without sync]
+            grads = [self._full_grad(p) for p in self.trainable]
+        else:
+            grads = [p.pop_grad() for p in self.trainable]
         present = [g is not None for g in grads]
         pos, extra = None, None
         if self.reduce_tags:
@@ -428,11 +507,13 @@ class CommUnit:
             pos = self.comm.position("reduce_scatter", Phase.BACKWARD, self.index)
             # in the gradients' dtype (0 and 1 are exact in any), so the pack needs no cast;
             # contiguous, so that the pack keeps CUDA's single-kernel _chunk_cat path
-            bits = next((g.dtype for g in grads if g is not None), dtype)
-            extra = reduce_tag_row(pos, present, bits, device).expand(world, -1).contiguous()
+            bits = next(iter([g.dtype for g in grads if g is not None]), dtype)
+            extra = reduce_tag_columns(pos, present, bits, device, world)
         # packed on the compute stream, where autograd made the gradients (rule 3)
         full = self.grad_layout.pack_for_reduce(grads, dtype=dtype, device=device, extra=extra)
-        name_tensor(full, lambda: f"packed gradients of unit '{self.name}'")
+        s = self.streams
+        if s.cuda:  # a name for the CUDA emulation's messages
+            name_tensor(full, lambda: f"packed gradients of unit '{self.name}'")
         del grads  # the packed copy is all we need: the full gradients go now
         pre = self._pre_divide_factor()
         if pre != 1:  # NOTE [Dividing the sum]: the gradient columns only; the tags stay exact
@@ -442,13 +523,14 @@ class CommUnit:
             # finishing it on compute costs no stream hand-over
             self.reduce_in_flight = ReduceInFlight(None, full.view(-1), full, present, pos)
             return
-        s, pending = self.streams, None
+        pending = None
         with s.begin_reduce():
             if world == 1:
                 out = full.view(-1)  # HSDP with a one-rank shard group: only the all-reduce
             else:
                 out = self.comm.reduce_buffer(full.shape[1], dtype, device)
-                name_tensor(out, lambda: f"reduce-scatter output of unit '{self.name}'")
+                if s.cuda:
+                    name_tensor(out, lambda: f"reduce-scatter output of unit '{self.name}'")
                 pending = self.comm.reduce_scatter(out, full, pos)  # type: ignore[arg-type]
         flight = ReduceInFlight(pending, out, full, present, pos)
         if s.cuda:
@@ -593,21 +675,28 @@ class CommUnit:
         if factor != 1:
             shard.div_(factor)
         # one cast per unit, on the device, before any copy to the host (NOTE [Dividing the sum])
-        dtypes = {p.sharded.dtype for p in self.trainable}
-        if len(dtypes) == 1 and shard.dtype not in dtypes:
-            shard = shard.to(dtypes.pop())
+        dtype = self._grad_dtype
+        if dtype is None or dtype != self.trainable[0].sharded.dtype:
+            dtypes = {p.sharded.dtype for p in self.trainable}
+            dtype = self._grad_dtype = dtypes.pop() if len(dtypes) == 1 else None
+        if dtype is not None and shard.dtype != dtype:
+            shard = shard.to(dtype)
         if self.offload:
             shard = self._to_host(shard)
-        for j, p in enumerate(self.trainable):
+        base = shard.storage_offset()
+        for j, (p, (shape, stride, offset)) in enumerate(
+            zip(self.trainable, self._grad_rows, strict=True)
+        ):
             if not present[j]:
                 continue  # NOTE [Which gradients exist]: no rank used it
-            g = self.grad_layout.shard_view(shard, j, self.mesh.rank)
+            g = shard.as_strided(shape, stride, base + offset)  # this rank's rows of it
             if g.dtype != p.sharded.dtype:
                 g = g.to(p.sharded.dtype)  # a mixed-dtype unit (NOTE [Mixed-dtype units])
             p.add_grad(g)  # a DTensor gradient over these rows
             # NOTE [Post-accumulate-grad hooks on sharded parameters]
-            for hook in post_accumulate_hooks(p):
-                hook(p.sharded)
+            if getattr(p.sharded, "_post_accumulate_grad_hooks", None):
+                for hook in post_accumulate_hooks(p):
+                    hook(p.sharded)
 
     def _to_host(self, shard: torch.Tensor) -> torch.Tensor:
         """Offload: the gradient shard goes to host memory; with pinned memory the copy is

@@ -88,7 +88,7 @@ from typing import Any
 import torch
 
 from fullshard.comm.collectives import Comm, Pending
-from fullshard.comm.desync import TAG_BITS, TAG_LEN, Position, Verdict
+from fullshard.comm.desync import TAG_BITS, TAG_LEN, Position, Verdict, moves_data
 from fullshard.comm.device import cuda_semantics, current_stream, use_stream
 from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.copy_in import CopyInGroup, gather_kind
@@ -395,8 +395,8 @@ def check_reduce_tags(
 ) -> None:
     """Hand a reduce-scatter's presence bits and tag to the verdict (NOTE [Which gradients
     exist] in unit.py): every rank's block before the sum (gloo), else the summed columns."""
-    if flight.position is None:
-        return
+    if flight.position is None or not moves_data(mesh.group):
+        return  # NOTE [Backends that move no data]: nothing to check, nothing to slice
     names = [p.fqn for p in trainable]
     k = len(names) + TAG_BITS  # presence bits, then tag bits
     rows = flight.pending.rows if flight.pending is not None else None

@@ -170,6 +170,7 @@ class FlatLayout:
             offset += slot.padded_numel
         self.slots: list[Slot] = slots  # type: ignore[assignment]  # every one is set
         self.strided = [s for s in self.slots if s.dim]
+        self.dim0 = [i for i in self.order if not dims[i]]  # the dim-0 slots, in flat order
         self.lead = sum(s.padded_numel for s in self.strided)  # columns of the Shard(k) slots
         self.gap = -(offset + tail) % pad_to
         self.shard_numel = (
@@ -208,12 +209,33 @@ class FlatLayout:
             chunk = chunk_of(full, self.world, rank, self.slots[i].dim)
             self.shard_view(out, i, rank).copy_(chunk)
 
+    def copy_targets(self, flat_gathered: torch.Tensor) -> list[torch.Tensor] | None:
+        """What ``copy_out``'s one kernel writes in ``flat_gathered`` (this layout's gathered
+        storage): each dim-0 slot's region, then a scratch row block for the gap, without the
+        tail. Views of a storage stay valid while its memory comes and goes (NOTE [Freeing
+        while autograd holds a view] in engine/param.py), so a unit makes them once per
+        storage instead of at every gather. ``None`` for a layout with Shard(k) slots (their
+        strided copies are made at each gather)."""
+        if self.strided:
+            return None
+        w = self.world
+        outs = [
+            flat_gathered[w * s.offset : w * (s.offset + s.padded_numel)].view(w, -1)
+            for s in (self.slots[i] for i in self.order)
+        ]
+        if self.gap:
+            outs.append(
+                torch.empty(w, self.gap, dtype=flat_gathered.dtype, device=flat_gathered.device)
+            )
+        return outs
+
     def copy_out(
         self,
         gathered: torch.Tensor,
         flat_gathered: torch.Tensor,
         tails: torch.Tensor | None = None,
         dest: FlatLayout | None = None,
+        targets: list[torch.Tensor] | None = None,
     ) -> None:
         """Rank-major all-gather output -> parameter-major gathered storage: one kernel for the
         dim-0 slots, the gap and the tail, one strided copy per Shard(k) slot.
@@ -228,6 +250,14 @@ class FlatLayout:
         w, d = self.world, dest or self
         # a (world, S) view is taken as it is: a dtype group's columns of a shared buffer
         rows = gathered if gathered.dim() == 2 else gathered.view(w, self.shard_numel)
+        if targets is not None and dest is None:  # ``copy_targets`` of ``flat_gathered``
+            if self.tail:
+                if tails is None:
+                    tails = torch.empty(w, self.tail, dtype=rows.dtype, device=rows.device)
+                targets = [*targets, tails]
+            if targets:
+                torch.split_with_sizes_copy(rows, self.split_sizes, 1, out=targets)
+            return
         outs = []
         for s, ds in zip(self.slots, d.slots, strict=True):
             start = d.world * ds.offset
@@ -257,29 +287,31 @@ class FlatLayout:
         *,
         dtype: torch.dtype,
         device: torch.device,
-        extra: torch.Tensor | None = None,
+        extra: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Full gradients -> rank-major reduce-scatter input of shape ``(world, S [+ extra])``.
 
-        A missing gradient is sent as zeros. ``extra`` (shape ``(world, k)``) is appended to every
-        rank's block; the reduce-scatter then sums it like the gradients. For the dim-0 slots,
+        A missing gradient is sent as zeros. ``extra`` (shape ``(world, k)``, or several such
+        parts side by side) is appended to every rank's block; the reduce-scatter then sums it
+        like the gradients. For the dim-0 slots,
         padding, the cast to ``dtype`` and the rank-major interleave are one kernel
         (``torch._chunk_cat``, as FSDP2's copy-in) where torch has it; each Shard(k) gradient is
         one strided copy (and cast) into its columns (NOTE [Flat unit layout]).
         """
         w = self.world
-        width = self.shard_numel + (extra.shape[1] if extra is not None else 0)
+        extras = [extra] if isinstance(extra, torch.Tensor) else list(extra or [])
+        width = self.shard_numel + sum([e.shape[1] for e in extras])
         out = torch.empty(w, width, dtype=dtype, device=device)
         for s, g in zip(self.slots, grads, strict=True):
-            if s.dim:
+            if s.dim and self.strided:
                 region = out[:, s.offset : s.offset + s.padded_numel]
                 if g is None:
                     region.zero_()
                 else:  # rank r's chunk is the box [:, r] of the full gradient
                     src = g.reshape(s.pre, w, s.chunk_rows, s.post).transpose(0, 1)
                     region.view(w, s.pre, s.chunk_rows, s.post).copy_(src)
-        zero = [i for i in self.order if not self.slots[i].dim]
-        if not zero and extra is None:
+        zero = self.dim0
+        if not zero and not extras:
             return out
         rest = out[:, self.lead :] if self.lead else out  # a column slice: strided, fine
         # one input dtype (the gradients'); the kernel casts to ``dtype`` on the way out
@@ -287,12 +319,13 @@ class FlatLayout:
         src_dtype = present.pop() if len(present) == 1 else dtype
         parts = [
             torch.zeros(self.slots[i].shape, dtype=src_dtype, device=device)
-            if grads[i] is None
-            else grads[i].to(src_dtype)  # type: ignore[union-attr]
+            if (g := grads[i]) is None
+            else g
+            if g.dtype == src_dtype
+            else g.to(src_dtype)
             for i in zero
         ]
-        if extra is not None:
-            parts.append(extra.to(src_dtype))
+        parts += [e if e.dtype == src_dtype else e.to(src_dtype) for e in extras]
         if _chunk_cat is not None:
             _chunk_cat(parts, dim=0, num_chunks=w, out=rest)
             return out
@@ -304,8 +337,7 @@ class FlatLayout:
             if rows != slot.shape[0]:
                 g = torch.nn.functional.pad(g, (0, 0, 0, rows - slot.shape[0]))
             cols.append(g.view(w, slot.padded_numel))
-        if extra is not None:
-            cols.append(extra.to(dtype))
+        cols += [e.to(dtype) for e in extras]
         if self.lead:
             rest.copy_(torch.cat(cols, dim=1))
         else:
