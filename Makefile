@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint fmt pytest clean
+.PHONY: demo test test-fast test-gpu lint fmt pytest clean
 
 # Bytecode is compiled as modules are first imported, not at install (--no-compile): the suite
 # imports a fraction of torch and transformers, and compiling all of them was half the set-up's
@@ -30,13 +30,13 @@ demo: $(STAMP)
 	$(VENV)/bin/fullshard train
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests scripts
-	$(VENV)/bin/ruff format --check src tests scripts
+	$(VENV)/bin/ruff check src tests scripts benchmarks
+	$(VENV)/bin/ruff format --check src tests scripts benchmarks
 	$(VENV)/bin/mypy
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff format src tests scripts
-	$(VENV)/bin/ruff check --fix src tests scripts
+	$(VENV)/bin/ruff format src tests scripts benchmarks
+	$(VENV)/bin/ruff check --fix src tests scripts benchmarks
 
 # two workers (pytest-xdist), one per core, a test file to one worker: its tests share a launched
 # run or a module's cached results, made once per worker (xdist_group marks do not group under
@@ -53,6 +53,11 @@ test: $(STAMP)
 # the single-process layer alone (tests/fast, seconds)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m 'fast and not e2e' tests
+
+# the GPU checks (tests/gpu: every CLI command on NCCL, every strategy in spawned ranks, the CUDA
+# sanitizer), one test per check, on a machine with a GPU (skipped without one); a few minutes
+test-gpu: $(WARM)
+	$(PY) -m pytest -q -p no:xdist tests/gpu
 
 clean:
 	rm -rf $(VENV) runs

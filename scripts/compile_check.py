@@ -52,6 +52,7 @@ COUNTED = (*COMPILED, "fsdp2 whole")  # torch's FSDP2 under torch.compile(model)
 
 def _build(args: argparse.Namespace, variant: str) -> tuple[nn.Module, nn.Module]:
     """(the module to call, the sharded model) of one variant."""
+    from fullshard.app.config import ParallelismConfig
     from fullshard.app.models.gpt import build_model, unit_types_of
     from fullshard.app.models.wrap import shard_model
 
@@ -65,7 +66,7 @@ def _build(args: argparse.Namespace, variant: str) -> tuple[nn.Module, nn.Module
                 fully_shard(m)
         fully_shard(model)
     else:
-        shard_model(model, "full_shard", types)
+        shard_model(model, ParallelismConfig(), types)
     dynamic = None if args.dynamic == "default" else False
     if variant == "blocks":
         for m in model.modules():

@@ -46,17 +46,24 @@ def _case(rank: int, world: int, impl: str, case: str) -> dict[str, Any]:
         if case.startswith("moe"):
             micro = 2 if case == "moe accumulate" else 1
             out = cp.train(
-                rank, world, lambda: cp.MoELM().double(),
-                lambda m: cp.shard_moe(m, "plain", world), cp.moe_loss,  # type: ignore[arg-type]
+                rank,
+                world,
+                lambda: cp.MoELM().double(),
+                lambda m: cp.shard_moe(m, "plain", world),
+                cp.moe_loss,  # type: ignore[arg-type]
                 cp.moe_batches(3, micro, world),
-            )  # fmt: skip
+            )
         else:
             optional = case == "vlm" and impl == "fullshard"
             images = [some, every, every] if case == "vlm" else [every, some, every]
             out = cp.train(
-                rank, world, cp.tiny_llava, lambda m: cp.shard_vlm(m, optional), cp.vlm_loss,
+                rank,
+                world,
+                cp.tiny_llava,
+                lambda m: cp.shard_vlm(m, optional),
+                cp.vlm_loss,
                 cp.vlm_batches(images),
-            )  # fmt: skip
+            )
     except Exception as exc:
         return {"outcome": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     return {"outcome": f"exact to {max(out['diffs']):.1e}", "diffs": out["diffs"]}

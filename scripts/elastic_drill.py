@@ -110,9 +110,10 @@ def _train(work: Path, name: str, args: list[str], fault: str = "") -> dict[str,
 def _said(stderr: str) -> list[str]:
     """What the job told the user on stderr, besides the launcher's pids and its loss lines."""
     return [
-        ln for ln in stderr.splitlines()
+        ln
+        for ln in stderr.splitlines()
         if ln.strip() and "are pids" not in ln and "the other ranks keep running" not in ln
-    ]  # fmt: skip
+    ]
 
 
 def _resumed(work: Path, row: dict[str, Any], command: str, steps: int, extra: list[str]) -> None:
@@ -120,8 +121,12 @@ def _resumed(work: Path, row: dict[str, Any], command: str, steps: int, extra: l
     interpreter), and record its status and weights in ``row``."""
     argv = shlex.split(command)
     argv = argv[3:] if argv[:3] == ["python", "-m", "fullshard.app.cli"] else argv[1:]
-    proc = subprocess.run([sys.executable, "-m", "fullshard.app.cli", *argv, *extra], env=ENV,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "fullshard.app.cli", *argv, *extra],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     row["resume_status"] = proc.returncode
     if proc.returncode == 0:
         name = argv[argv.index("--name") + 1]
@@ -129,8 +134,14 @@ def _resumed(work: Path, row: dict[str, Any], command: str, steps: int, extra: l
         row["sha256"] = _sha(work, name, steps, folder)
 
 
-def _stopped(work: Path, name: str, args: list[str], fault: str, resume_extra: list[str],
-             before_resume: Any = None) -> dict[str, Any]:  # fmt: skip
+def _stopped(
+    work: Path,
+    name: str,
+    args: list[str],
+    fault: str,
+    resume_extra: list[str],
+    before_resume: Any = None,
+) -> dict[str, Any]:
     """A drill whose job stops (its launcher killed, a full disk): what it said, then the
     command it printed, run, to the end."""
     row = _train(work, name, args, fault)
@@ -163,8 +174,14 @@ def _disk(work: Path, args: list[str], k: int) -> dict[str, Any]:
             if oldest is not None:
                 shutil.rmtree(oldest)
 
-        row = _stopped(work, "disk", [*args, "--checkpoint-dir", str(ckpts)], fault,
-                       ["--keep", "1"], free_oldest)  # fmt: skip
+        row = _stopped(
+            work,
+            "disk",
+            [*args, "--checkpoint-dir", str(ckpts)],
+            fault,
+            ["--keep", "1"],
+            free_oldest,
+        )
         row["tmpfs"] = mounted
         return row
     finally:
@@ -183,11 +200,28 @@ def _two_agents(
     nproc = int(args[args.index("--nproc") + 1])
     rest = [a for i, a in enumerate(args) if a != "--nproc" and args[i - 1] != "--nproc"]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
-        str(nproc // 2), "--rdzv-backend", "fullshard", "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", f"drill{os.getpid()}", "-m", "fullshard.app.cli", "train", *rest,
-        "--runs-dir", str(work), "--name", name,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        str(nproc // 2),
+        "--rdzv-backend",
+        "fullshard",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"drill{os.getpid()}",
+        "-m",
+        "fullshard.app.cli",
+        "train",
+        *rest,
+        "--runs-dir",
+        str(work),
+        "--name",
+        name,
+    ]
     fault = f"node:rank={lose * nproc // 2}:step={kill_step}+hold:rank=0:step={kill_step + 3}"
     env = {**ENV, "GLOO_SOCKET_IFNAME": "lo"}
 
@@ -218,8 +252,11 @@ def _two_agents(
     row = _row(work, name, kept, time.perf_counter() - t0, steps)
     row["lost_node_status"] = lost.returncode
     row["ended_s_after_loss"] = round(ended_s, 2)
-    said = [ln for ln in (work / f"{name}-node{1 - lose}.log").read_text().splitlines()
-            if ln.startswith("fullshard: ")]  # fmt: skip
+    said = [
+        ln
+        for ln in (work / f"{name}-node{1 - lose}.log").read_text().splitlines()
+        if ln.startswith("fullshard: ")
+    ]
     row["stderr_tail"] = said[-1:]
     return row
 
@@ -240,10 +277,14 @@ def main() -> int:
     a = ap.parse_args()
     k, n = a.kill_step, a.nproc
     common = [
-        "--model", a.model, "--max-steps", str(a.steps), "--batch-size", "16",
-        "--micro-batch-size", "2", "--seq-len", "64", "--sample-tokens", "0", "--no-progress",
-        "--log-every", "1", "--eval-every", "0", "--deterministic", "--timeout", "60",
-    ]  # fmt: skip
+        "--model",
+        a.model,
+        "--max-steps",
+        str(a.steps),
+        *["--batch-size", "16", "--micro-batch-size", "2", "--seq-len", "64"],
+        *["--sample-tokens", "0", "--no-progress", "--log-every", "1"],
+        *["--eval-every", "0", "--deterministic", "--timeout", "60"],
+    ]
     run = [*common, "--nproc", str(n)]
     elastic = [*run, "--elastic"]
     save = 4
@@ -255,7 +296,7 @@ def main() -> int:
             "restart",
             [*run, "--max-restarts", "1", "--save-every", "1"],
             f"kill:rank=2:step={k}",
-        ),  # fmt: skip
+        ),
         "rank0": lambda w: _train(w, "rank0", elastic, f"kill:rank=0:step={k}"),
         "twice": lambda w: _train(
             w, "twice", elastic, f"kill:rank=2:step={k // 2}+kill:rank=1:step={k + 2}"
@@ -265,7 +306,7 @@ def main() -> int:
             "hybrid",
             [*elastic, "--strategy", "hybrid_shard", "--shard-size", str(n // 2)],
             f"kill:rank={n // 2}:step={k}",
-        ),  # fmt: skip
+        ),
         "nodes": lambda w: _two_agents(w, "nodes", elastic, k),
         "storehost": lambda w: _two_agents(w, "storehost", [*elastic, "--save-every", "2"], k, 0),
         "neighbours": lambda w: _train(
@@ -273,7 +314,7 @@ def main() -> int:
             "neighbours",
             [*elastic, "--save-every", "2"],
             f"kill:rank=1:step={k}+kill:rank=2:step={k}",
-        ),  # fmt: skip
+        ),
         # issue 36: the failures clusters have
         "step1": lambda w: _train(w, "step1", elastic, f"kill:rank={n - 1}:step=1"),
         "hang": lambda w: _train(w, "hang", [*elastic, "--timeout", "30"], f"hang:rank=2:step={k}"),
@@ -349,9 +390,12 @@ def main() -> int:
             for line in r["fault_lines"]:
                 print(f"    {line}", flush=True)
         if r["name"] in ("commit", "final", "restore", "slot", "launcher", "disk"):
-            print(f"    tracebacks {r['tracebacks']}, C++ stack lines {r['stack_lines']}"
-                  + (f", resumed: status {r['resume_status']}" if "resume_status" in r else "")
-                  + (f", on a tmpfs: {r['tmpfs']}" if "tmpfs" in r else ""), flush=True)  # fmt: skip
+            print(
+                f"    tracebacks {r['tracebacks']}, C++ stack lines {r['stack_lines']}"
+                + (f", resumed: status {r['resume_status']}" if "resume_status" in r else "")
+                + (f", on a tmpfs: {r['tmpfs']}" if "tmpfs" in r else ""),
+                flush=True,
+            )
             for line in r.get("said") or _said(r.get("stderr_full", "")):
                 print(f"    said: {line}", flush=True)
         r.pop("stderr_full", None)

@@ -85,7 +85,7 @@ def _watchers(n: int, port: int, members: list[int], clients: list[Counting]) ->
                     neighbour=lambda m=m: (m + 1) % n,
                     progress=lambda: 1,
                     on_fenced=lambda *_: None,
-                )  # fmt: skip
+                )
                 for m in members
             ]
         return [membership.Watcher("127.0.0.1", port, m, lambda: 0) for m in members]

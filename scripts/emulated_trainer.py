@@ -29,10 +29,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 COMMON = [
-    "--model", "tiny", "--seq-len", "64", "--batch-size", "16", "--max-steps", "6",
-    "--log-every", "6", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
-    "--timeout", "120",
-]  # fmt: skip
+    *["--model", "tiny", "--seq-len", "64", "--batch-size", "16"],
+    *["--max-steps", "6", "--log-every", "6", "--eval-every", "0"],
+    *["--sample-tokens", "0", "--no-progress", "--timeout", "120"],
+]
 
 # name -> (flags, host synchronisations a quiet step may count)
 CONFIGS: dict[str, tuple[list[str], int]] = {

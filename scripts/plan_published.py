@@ -24,10 +24,25 @@ GIB = 2**30
 
 def command(run: dict[str, Any]) -> list[str]:
     """The ``fullshard plan`` arguments that describe ``run``."""
-    argv = ["plan", "--model", f"hf:{RUNS / run['model']}", "--devices", str(run["devices"]),
-            "--batch", str(run["batch"]), "--seq", str(run["seq"]), "--precision", "bf16",
-            "--activation-checkpointing", run["activation_checkpointing"], "--gpu", run["gpu"],
-            "--strategy", run.get("strategy", "full_shard")]  # fmt: skip
+    argv = [
+        "plan",
+        "--model",
+        f"hf:{RUNS / run['model']}",
+        "--devices",
+        str(run["devices"]),
+        "--batch",
+        str(run["batch"]),
+        "--seq",
+        str(run["seq"]),
+        "--precision",
+        "bf16",
+        "--activation-checkpointing",
+        run["activation_checkpointing"],
+        "--gpu",
+        run["gpu"],
+        "--strategy",
+        run.get("strategy", "full_shard"),
+    ]
     for flag in ("tp", "pp", "cp"):
         if run.get(flag, 1) > 1:
             argv += [f"--{flag}", str(run[flag])]
@@ -46,8 +61,9 @@ def predict(run: dict[str, Any]) -> dict[str, Any]:
     from fullshard.app.commands.plan import make_plan, plan_config
 
     args = build_parser(only="plan").parse_args(command(run))
-    plan = make_plan(args.devices, plan_config(args, analytic=False), model=args.model,
-                     with_recommendation=False)  # fmt: skip
+    plan = make_plan(
+        args.devices, plan_config(args, analytic=False), model=args.model, with_recommendation=False
+    )
     return plan.to_dict()
 
 
@@ -63,14 +79,15 @@ CALIBRATION = {
 def _timing_inputs(run: dict[str, Any]) -> tuple[Any, list[Any], int, Any]:
     """What the step-time model reads for ``run``: its shape, units, world and config."""
     from fullshard.app.cli import build_parser
-    from fullshard.app.commands.plan import plan_config, tp_local_shapes
+    from fullshard.app.commands.plan import plan_config
     from fullshard.app.models.gpt import build_model, output_vocab_size, unit_types_of
+    from fullshard.app.models.planning import tp_local_shapes
     from fullshard.plan.model import model_units
     from fullshard.plan.transformer import shape_of
 
     args = build_parser(only="plan").parse_args(command(run))
     cfg = plan_config(args, analytic=False)
-    from fullshard.app.commands.plan import model_vocab
+    from fullshard.app.models.planning import model_vocab
 
     model = build_model(args.model, model_vocab(args.model), device="meta")
     local = tp_local_shapes(model, cfg.tp) if cfg.tp > 1 else None
@@ -114,8 +131,10 @@ def error(predicted: float, published: float | None) -> str:
 
 
 def table(runs: list[dict[str, Any]], plans: list[dict[str, Any]]) -> str:
-    head = ("| run | published GiB | predicted GiB | error | published tokens/s | "
-            "predicted tokens/s | error |\n|---|--:|--:|--:|--:|--:|--:|")  # fmt: skip
+    head = (
+        "| run | published GiB | predicted GiB | error | published tokens/s | "
+        "predicted tokens/s | error |\n|---|--:|--:|--:|--:|--:|--:|"
+    )
     rows = [head]
     for run, plan in zip(runs, plans, strict=True):
         mem = plan["peak_reserved_bytes"] / GIB
@@ -134,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="every plan's figures as JSON")
     parser.add_argument("--only", help="runs whose id contains this")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="solve the GPU efficiencies on the calibration runs and print them")  # fmt: skip
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="solve the GPU efficiencies on the calibration runs and print them",
+    )
     args = parser.parse_args(argv)
     runs = json.loads((RUNS / "published.json").read_text(encoding="utf-8"))
     if args.calibrate:
@@ -144,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in runs if not args.only or args.only in r["id"]]
     plans = [predict(r) for r in runs]
     if args.json:
-        print(json.dumps([{**r, "plan": p} for r, p in zip(runs, plans, strict=True)],
-                         indent=1, default=str))  # fmt: skip
+        print(
+            json.dumps(
+                [{**r, "plan": p} for r, p in zip(runs, plans, strict=True)], indent=1, default=str
+            )
+        )
     else:
         print(table(runs, plans))
     return 0

@@ -41,7 +41,9 @@ def _logged_step(run: Path) -> int:
     return max(steps, default=0)
 
 
-def _one(work: Path, name: str, cmd: list[str], sig: signal.Signals, group: bool, after: int) -> dict[str, Any]:  # fmt: skip
+def _one(
+    work: Path, name: str, cmd: list[str], sig: signal.Signals, group: bool, after: int
+) -> dict[str, Any]:
     from fullshard.checkpoint import verify
 
     run = work / name
@@ -49,8 +51,12 @@ def _one(work: Path, name: str, cmd: list[str], sig: signal.Signals, group: bool
     with log.open("w") as out:
         proc = subprocess.Popen(
             [*cmd, "--runs-dir", str(work), "--name", name],
-            stdout=out, stderr=subprocess.STDOUT, text=True, env=ENV, start_new_session=True,
-        )  # fmt: skip
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + DEADLINE_S
         while _logged_step(run) < after and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -89,11 +95,18 @@ def main() -> int:
     ap.add_argument("--out", default="runs/preempt_signals.json")
     a = ap.parse_args()
     train = [
-        sys.executable, "-m", "fullshard.app.cli", "train", "--model", a.model,
-        "--max-steps", "400", "--seq-len", "32", "--batch-size", "8", "--micro-batch-size", "2",
-        "--log-every", "1", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
-        "--timeout", "120", "--nproc", str(a.nproc),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "fullshard.app.cli",
+        "train",
+        "--model",
+        a.model,
+        *["--max-steps", "400", "--seq-len", "32", "--batch-size", "8"],
+        *["--micro-batch-size", "2", "--log-every", "1", "--eval-every", "0"],
+        *["--sample-tokens", "0", "--no-progress", "--timeout", "120"],
+        "--nproc",
+        str(a.nproc),
+    ]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -59,10 +59,16 @@ def main() -> int:
     args = ap.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     common = [
-        "--model", args.model, "--max-steps", str(args.steps), "--batch-size",
-        str(args.batch_size), "--seq-len", str(args.seq_len), "--sample-tokens", "0",
-        "--no-progress", "--log-every", "1", "--eval-every", "0",
-    ]  # fmt: skip
+        "--model",
+        args.model,
+        "--max-steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        *["--sample-tokens", "0", "--no-progress", "--log-every", "1", "--eval-every", "0"],
+    ]
     fixed = ["--deterministic", "--micro-batch-size", str(args.micro_batch_size)]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,14 +91,26 @@ def main() -> int:
                     # tree over replicas has more than one level)
                     hybrid = ["--shard-size", "2"] if strategy.startswith("hybrid") else []
                     run, wall = train(
-                        name, *fixed, "--strategy", strategy, "--nproc", str(world),
-                        "--mixed-precision", precision, *hybrid,
-                    )  # fmt: skip
+                        name,
+                        *fixed,
+                        "--strategy",
+                        strategy,
+                        "--nproc",
+                        str(world),
+                        "--mixed-precision",
+                        precision,
+                        *hybrid,
+                    )
                     rows.append(
-                        {"precision": precision, "strategy": strategy, "world": world,
-                         "mode": "deterministic", "sha256": _sha(run, args.steps, work),
-                         "wall_s": round(wall, 1)}
-                    )  # fmt: skip
+                        {
+                            "precision": precision,
+                            "strategy": strategy,
+                            "world": world,
+                            "mode": "deterministic",
+                            "sha256": _sha(run, args.steps, work),
+                            "wall_s": round(wall, 1),
+                        }
+                    )
                     print(_line(rows[-1]), flush=True)
             # stopped at N ranks, resumed at M: equal to the uninterrupted runs above
             for a, b in ((4, 2), (2, 4)):
@@ -103,19 +121,29 @@ def main() -> int:
                 train(name, *extra, "--nproc", str(a), "--stop-after", str(args.steps // 2))
                 run, wall = train(name, *extra, "--nproc", str(b), "--resume", "latest")
                 rows.append(
-                    {"precision": precision, "strategy": "full_shard", "world": f"{a}->{b}",
-                     "mode": "deterministic, resumed", "sha256": _sha(run, args.steps, work),
-                     "wall_s": round(wall, 1)}
-                )  # fmt: skip
+                    {
+                        "precision": precision,
+                        "strategy": "full_shard",
+                        "world": f"{a}->{b}",
+                        "mode": "deterministic, resumed",
+                        "sha256": _sha(run, args.steps, work),
+                        "wall_s": round(wall, 1),
+                    }
+                )
                 print(_line(rows[-1]), flush=True)
             for world in worlds[:2]:  # the default mode, for contrast
                 name = f"{precision}-default-{world}"
                 run, wall = train(name, "--nproc", str(world), "--mixed-precision", precision)
                 rows.append(
-                    {"precision": precision, "strategy": "full_shard", "world": world,
-                     "mode": "default", "sha256": _sha(run, args.steps, work),
-                     "wall_s": round(wall, 1)}
-                )  # fmt: skip
+                    {
+                        "precision": precision,
+                        "strategy": "full_shard",
+                        "world": world,
+                        "mode": "default",
+                        "sha256": _sha(run, args.steps, work),
+                        "wall_s": round(wall, 1),
+                    }
+                )
                 print(_line(rows[-1]), flush=True)
     ok = True
     print()

@@ -17,8 +17,8 @@ import json
 import subprocess
 import sys
 
-from fullshard.app.commands.plan import plan_builtin
 from fullshard.app.models.gpt import build_model, count_params
+from fullshard.app.models.planning import plan_builtin
 from fullshard.plan import PlanConfig
 
 MIB = 2**20
@@ -26,10 +26,22 @@ MIB = 2**20
 
 def measure(model: str, world: int) -> float:
     proc = subprocess.run(
-        [sys.executable, "-m", "fullshard.app.cli", "plan", "--model", model, "--devices", str(world),
-         "--batch", "8", "--seq", "128", "--check", "--json"],
-        capture_output=True, text=True, timeout=900, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fullshard.app.cli",
+            "plan",
+            "--model",
+            model,
+            "--devices",
+            str(world),
+            *["--batch", "8", "--seq", "128", "--check", "--json"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
     res = json.loads(proc.stdout[proc.stdout.index("{") :])
     return max(res["measured"][p]["total"] for p in res["measured"]) / MIB
 
@@ -67,8 +79,14 @@ def main() -> None:
         label="16·Ψ/N + window + activations (not all at their peaks at once)",
     )
     ax.plot(ns, [planned[n] for n in ns], "o-", color="#1e88e5", label="fullshard plan (peak)")
-    ax.plot(sorted(measured), [measured[n] for n in sorted(measured)], "s", color="#e53935",
-            markersize=9, label="measured peak (live tensors)")  # fmt: skip
+    ax.plot(
+        sorted(measured),
+        [measured[n] for n in sorted(measured)],
+        "s",
+        color="#e53935",
+        markersize=9,
+        label="measured peak (live tensors)",
+    )
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.set_xlabel("ranks (FULL_SHARD)")
@@ -78,8 +96,13 @@ def main() -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=130)
-    figures = {"params": psi, "planned_mib": planned, "measured_mib": measured,
-               "state_16psi_over_n_mib": state, "window_activations_mib": window_act}  # fmt: skip
+    figures = {
+        "params": psi,
+        "planned_mib": planned,
+        "measured_mib": measured,
+        "state_16psi_over_n_mib": state,
+        "window_activations_mib": window_act,
+    }
     with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
         json.dump(figures, f, indent=2)
     for n in ns:

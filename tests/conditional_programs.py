@@ -140,17 +140,31 @@ def tiny_llava() -> nn.Module:
     from transformers import LlavaForConditionalGeneration as Llava
 
     vision = CLIPVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        image_size=8, patch_size=4, projection_dim=16,
-    )  # fmt: skip
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=4,
+        projection_dim=16,
+    )
     text = LlamaConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=64, max_position_embeddings=64,
-    )  # fmt: skip
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=63, vision_feature_layer=-1,
-        vision_feature_select_strategy="default", projector_hidden_act="gelu",
-    )  # fmt: skip
+        vision_config=vision,
+        text_config=text,
+        image_token_index=63,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+    )
     return Llava(config).double()
 
 
@@ -292,15 +306,27 @@ def emulated(rank: int, world: int, case: str) -> dict[str, Any]:
             if case == "vlm":
                 some = [r == 0 for r in range(world)]
                 out = train(
-                    rank, world, tiny_llava, lambda m: shard_vlm(m, True), vlm_loss,
-                    vlm_batches([some, [False] * world, some]), optimizer=sgd, syncs=syncs,
-                )  # fmt: skip
+                    rank,
+                    world,
+                    tiny_llava,
+                    lambda m: shard_vlm(m, True),
+                    vlm_loss,
+                    vlm_batches([some, [False] * world, some]),
+                    optimizer=sgd,
+                    syncs=syncs,
+                )
             else:
                 how = "experts_optional" if case == "experts" else "plain"
                 out = train(
-                    rank, world, lambda: MoELM().double(), lambda m: shard_moe(m, how, world),  # type: ignore[arg-type]
-                    moe_loss, moe_batches(3, 1, world), optimizer=sgd, syncs=syncs,
-                )  # fmt: skip
+                    rank,
+                    world,
+                    lambda: MoELM().double(),
+                    lambda m: shard_moe(m, how, world),  # type: ignore[arg-type]
+                    moe_loss,
+                    moe_batches(3, 1, world),
+                    optimizer=sgd,
+                    syncs=syncs,
+                )
     except emulation.StreamOrderError as exc:
         return {"error": str(exc)}
     return {"error": None, "diffs": out["diffs"], "syncs": syncs}

@@ -184,9 +184,12 @@ def frameworks_program(rank: int, world: int) -> dict[str, dict[str, Any]]:
     import fullshard
 
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-    )  # fmt: skip
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+    )
     out: dict[str, dict[str, Any]] = {}
     for impl in ("torch", "fullshard"):
         ctx = fullshard.install() if impl == "fullshard" else contextlib.nullcontext()

@@ -207,8 +207,10 @@ def _chunked_loss(rank: int, world: int, impl: str) -> dict:
     (h1.square().mean() + h2.square().mean()).backward()
     ref2 = copy.deepcopy(ref)
     for r in range(world):
-        (ref2(data[r], skip_head=True).square().mean() + ref2(data[r].flip(1), skip_head=True)
-         .square().mean()).backward()  # fmt: skip
+        (
+            ref2(data[r], skip_head=True).square().mean()
+            + ref2(data[r].flip(1), skip_head=True).square().mean()
+        ).backward()
     grads = {k: p.grad / world for k, p in ref2.named_parameters() if p.grad is not None}
     two = max_diff({k: p.grad for k, p in twice.named_parameters() if p.grad is not None}, grads)
     diff = max(_train_chunked(model, ref, rank, world, _chunked_step), two)

@@ -325,8 +325,9 @@ def _tensor_parallel(rank: int, world: int) -> dict[str, Any]:
     ref = Net()
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], {"layers.2": ColwiseParallel(),
-                                           "layers.3": RowwiseParallel()})  # fmt: skip
+    parallelize_module(
+        model, mesh["tp"], {"layers.2": ColwiseParallel(), "layers.3": RowwiseParallel()}
+    )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])

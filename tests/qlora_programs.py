@@ -230,8 +230,13 @@ def _resume(
         dcp.load(state, checkpoint_id=path)
         # the frozen weights are not in it: strict=False (as torchtune loads adapters)
         load = StateDictOptions(ignore_frozen_params=True, strict=False)
-        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=load)  # fmt: skip
+        set_state_dict(
+            fresh,
+            fresh_opt,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=load,
+        )
     finally:
         dist.barrier()
         if rank == 0:

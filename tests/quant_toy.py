@@ -77,9 +77,12 @@ class QuantWeight(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls, data: torch.Tensor, wire: torch.dtype = torch.float8_e4m3fn, scale: str = "shard",
+        cls,
+        data: torch.Tensor,
+        wire: torch.dtype = torch.float8_e4m3fn,
+        scale: str = "shard",
         pad: bool = True,
-    ) -> QuantWeight:  # fmt: skip
+    ) -> QuantWeight:
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
             cls,
             data.shape,
@@ -91,9 +94,12 @@ class QuantWeight(torch.Tensor):
         )
 
     def __init__(
-        self, data: torch.Tensor, wire: torch.dtype = torch.float8_e4m3fn, scale: str = "shard",
+        self,
+        data: torch.Tensor,
+        wire: torch.dtype = torch.float8_e4m3fn,
+        scale: str = "shard",
         pad: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._data = data
         self.wire = wire
         self.scale_mode = scale

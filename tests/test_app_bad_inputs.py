@@ -20,12 +20,10 @@ import torch
 import fullshard.app.commands.bench as bench_module
 import fullshard.app.launch.local as launch_module
 from fullshard.app.cli import build_parser, main
-from fullshard.app.commands.validate import (
-    validate_bench,
-    validate_plan_check,
-    validate_trace,
-    validate_train,
-)
+from fullshard.app.commands.bench import validate as validate_bench
+from fullshard.app.commands.plan import validate_check as validate_plan_check
+from fullshard.app.commands.trace import validate as validate_trace
+from fullshard.app.commands.train import validate as validate_train
 from fullshard.app.config import TrainConfig
 from fullshard.app.data.corpus import RankBatches, split_for_rank
 
@@ -266,8 +264,13 @@ def test_console_entry(command: str, argv: list[str], message: str, workdir: Pat
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-m", "fullshard.app.cli", *argv],
-        capture_output=True, text=True, timeout=120, env=env, cwd=workdir, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=workdir,
+        check=False,
+    )
     assert proc.returncode == 2
     _one_error(command, proc.stderr, proc.stdout, message)
 
@@ -297,11 +300,12 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_pass(workdir: Path) -> None:
     validate_train(TrainConfig(), 2)  # the demo, on the built-in corpus
-    validate_train(TrainConfig(data="short.txt", seq_len=16, batch_size=4), 2)
+    validate_train(TrainConfig.of(data="short.txt", seq_len=16, batch_size=4), 2)
     validate_trace(_parse("trace"), 2)
     assert validate_bench(_parse("bench")) == [
-        "full_shard", "shard_grad_op", "no_shard", "fsdp2", "ddp", "single",
-    ]  # fmt: skip
+        *["full_shard", "shard_grad_op", "no_shard", "fsdp2", "ddp"],
+        "single",
+    ]
     validate_plan_check(_parse("plan", "--check", "--devices", "2", "--model", "tiny"))
 
 
@@ -318,7 +322,7 @@ def test_defaults_pass(workdir: Path) -> None:
     ],
 )
 def test_sharding_options_pass(workdir: Path, world: int, extra: dict) -> None:
-    validate_train(TrainConfig(**extra), world)
+    validate_train(TrainConfig.of(**extra), world)
 
 
 def test_float8_cannot_reshard_to_a_smaller_group(
@@ -327,20 +331,20 @@ def test_float8_cannot_reshard_to_a_smaller_group(
     import fullshard.app.models.wrap as wrap
 
     monkeypatch.setattr(wrap, "float8_missing", lambda: "")  # as if torchao were installed
-    cfg = TrainConfig(float8=True, reshard_after_forward="2")
+    cfg = TrainConfig.of(float8=True, reshard_after_forward="2")
     with pytest.raises(ValueError, match="--reshard-after-forward 2 with --float8: float8 weights"):
         validate_train(cfg, 4)
-    validate_train(TrainConfig(float8=True, reshard_after_forward="4", cpu_offload=True), 4)
+    validate_train(TrainConfig.of(float8=True, reshard_after_forward="4", cpu_offload=True), 4)
 
 
 def test_resume_latest_passes_with_a_committed_checkpoint(workdir: Path) -> None:
     step = workdir / "runs" / "exp" / "checkpoints" / "step_00000006"
     step.mkdir()
-    cfg = TrainConfig(resume="latest", name="exp")
+    cfg = TrainConfig.of(resume="latest", name="exp")
     (step / "manifest.json").write_text('{"files": {}}')
     validate_train(cfg, 2)
-    validate_train(TrainConfig(resume=str(step)), 2)  # a checkpoint folder itself
-    validate_train(TrainConfig(resume=str(step.parent)), 2)  # a folder of them
+    validate_train(TrainConfig.of(resume=str(step)), 2)  # a checkpoint folder itself
+    validate_train(TrainConfig.of(resume=str(step.parent)), 2)  # a folder of them
 
 
 @pytest.mark.parametrize(
@@ -357,7 +361,7 @@ def test_data_check_agrees_with_the_ranks(
 
     def accepted(n: int) -> bool:
         (workdir / "corpus.txt").write_bytes(b"a" * n)
-        cfg = TrainConfig(data="corpus.txt", seq_len=seq_len, batch_size=batch, val_fraction=0.5)
+        cfg = TrainConfig.of(data="corpus.txt", seq_len=seq_len, batch_size=batch, val_fraction=0.5)
         try:
             validate_train(cfg, world)
         except ValueError as exc:
@@ -442,7 +446,7 @@ def test_damaged_checkpoint_is_refused_before_launch(
 def test_an_intact_fake_checkpoint_passes_the_pre_launch_check(workdir: Path) -> None:
     # the check that fails above is the manifest and the sizes, not anything else of the fake
     _fake_checkpoint(workdir)
-    validate_train(TrainConfig(resume="latest", name="exp"), 2)
+    validate_train(TrainConfig.of(resume="latest", name="exp"), 2)
 
 
 @pytest.mark.parametrize(
@@ -479,18 +483,27 @@ def test_corrupted_checkpoint_found_on_the_ranks_is_one_message(workdir: Path) -
     data = bytearray(meta.read_bytes())
     data[len(data) // 2] ^= 0xFF
     meta.write_bytes(bytes(data))
-    validate_train(TrainConfig(resume="latest", name="exp", runs_dir=str(workdir / "runs")), 2)
+    validate_train(TrainConfig.of(resume="latest", name="exp", runs_dir=str(workdir / "runs")), 2)
     run = workdir / "runs" / "exp"
     config = (run / "config.toml").read_bytes()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-m", "fullshard.app.cli", "train", "--model", "tiny", "--seq-len",
-         "32", "--batch-size", "4", "--eval-every", "0", "--sample-tokens", "0", "--no-progress",
-         "--runs-dir", str(workdir / "runs"), "--name", "exp", "--timeout", "60",
-         "--max-steps", "6", "--resume", "latest"],
-        capture_output=True, text=True, timeout=240, env=env, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            *["-m", "fullshard.app.cli", "train", "--model", "tiny", "--seq-len"],
+            *["32", "--batch-size", "4", "--eval-every", "0", "--sample-tokens"],
+            *["0", "--no-progress", "--runs-dir"],
+            str(workdir / "runs"),
+            *["--name", "exp", "--timeout", "60", "--max-steps", "6", "--resume"],
+            "latest",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr
     _one_error("train", proc.stderr, proc.stdout, ".metadata does not match its SHA-256")
     assert "--resume latest: cannot load checkpoint" in proc.stderr

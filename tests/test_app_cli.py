@@ -25,10 +25,11 @@ pytestmark = pytest.mark.e2e
 
 # A short run on the default corpus: the tiny model, 20 steps, evaluated twice.
 BASE = [
-    "--model", "tiny", "--max-steps", "20", "--seq-len", "64", "--batch-size", "16",
-    "--warmup-steps", "5", "--eval-every", "10", "--eval-batches", "2", "--log-every", "5",
-    "--sample-tokens", "20", "--nproc", "2", "--timeout", "120",
-]  # fmt: skip
+    *["--model", "tiny", "--max-steps", "20", "--seq-len", "64"],
+    *["--batch-size", "16", "--warmup-steps", "5", "--eval-every", "10"],
+    *["--eval-batches", "2", "--log-every", "5", "--sample-tokens", "20"],
+    *["--nproc", "2", "--timeout", "120"],
+]
 
 
 def run_train(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -105,9 +106,9 @@ def losses(run_dir: Path) -> list[float]:
 
 # shard_grad_op + accumulation, with CPU offload and shard_grad_op's own reshard rule given
 ZERO2_OFFLOAD = [
-    "--strategy", "shard_grad_op", "--grad-accum", "2", "--cpu-offload",
-    "--reshard-after-forward", "1",
-]  # fmt: skip
+    *["--strategy", "shard_grad_op", "--grad-accum", "2"],
+    *["--cpu-offload", "--reshard-after-forward", "1"],
+]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (bit for bit, across a stop and a resume) and tests/test_app_preempt.py's."""
     root = tmp_path_factory.mktemp("runs")
     cfg = root / "run.toml"
-    cfg.write_text('model = "demo"\nmax_steps = 1000\nprogress = false\n')
+    cfg.write_text(
+        '[model]\nname = "demo"\n[training]\nmax_steps = 1000\n[output]\nprogress = false\n'
+    )
     variants = {
         # the file says demo/1000 steps, BASE's flags must win
         "a": ["--config", str(cfg), "--grad-accum", "2"],

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from fullshard.app.cli import build_parser
-from fullshard.app.commands.validate import validate_train as validate
+from fullshard.app.commands.train import validate
 from fullshard.app.config import (
+    OPTIONS,
     ConfigError,
     TrainConfig,
     config_from_args,
@@ -31,27 +32,55 @@ def resolve(argv: list[str]) -> TrainConfig:
 def test_defaults_are_the_demo() -> None:
     cfg = resolve([])
     assert cfg == TrainConfig()
-    assert (cfg.model, cfg.nproc, cfg.data, cfg.strategy) == ("demo", 2, None, "full_shard")
+    assert (cfg.model.name, cfg.launch.nproc, cfg.data.path) == ("demo", 2, None)
+    assert cfg.parallelism.strategy == "full_shard"
     validate(cfg, 2)
 
 
 def test_toml_then_flags_precedence(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text('model = "tiny"\nlr = 1\nmax-steps = 50\n')
-    # A [train] table is also accepted; here the top level is used.
+    path.write_text('[model]\nname = "tiny"\n[optimizer]\nlr = 1\n[training]\nmax-steps = 50\n')
     cfg = resolve(["--config", str(path), "--max-steps", "7", "--no-progress"])
-    assert cfg.model == "tiny"  # from the file
-    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)  # int in TOML, float option
-    assert cfg.max_steps == 7  # the flag wins over the file
-    assert cfg.progress is False
-    assert cfg.seq_len == TrainConfig().seq_len  # untouched default
+    assert cfg.model.name == "tiny"  # from the file
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)  # TOML's int
+    assert cfg.training.max_steps == 7  # the flag wins over the file
+    assert cfg.output.progress is False
+    assert cfg.data.seq_len == TrainConfig().data.seq_len  # untouched default
+
+
+def test_flat_keys_of_older_files_still_read_each_to_its_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NOTE [Flat config keys]: a file written before the sections (options by their flag
+    names, at the top level or under [train]) gives the same config as the sectioned one, and
+    says once which tables to write them in."""
+    flat = tmp_path / "flat.toml"
+    flat.write_text('model = "tiny"\nlr = 1\nmax-steps = 50\ncheckpoint_dir = "ck"\n')
+    sectioned = tmp_path / "sectioned.toml"
+    sectioned.write_text(
+        '[model]\nname = "tiny"\n[optimizer]\nlr = 1.0\n[training]\nmax_steps = 50\n'
+        '[checkpoint]\ndir = "ck"\n'
+    )
+    cfg = resolve(["--config", str(flat)])
+    assert cfg == resolve(["--config", str(sectioned)])
+    assert (cfg.model.name, cfg.training.max_steps, cfg.checkpoint.dir) == ("tiny", 50, "ck")
+    said = capsys.readouterr().err
+    assert f"{flat}: options outside a section (model, lr, max_steps, checkpoint_dir) are " in said
+    for line in ("[model]", 'name = "tiny"', "[optimizer]", "lr = 1.0", "max_steps = 50"):
+        assert line in said.splitlines(), line
+    resolve(["--config", str(flat)])
+    assert capsys.readouterr().err == ""  # once per file
     table = tmp_path / "table.toml"
     table.write_text('[train]\nstrategy = "shard_grad_op"\n')
-    assert resolve(["--config", str(table)]).strategy == "shard_grad_op"
+    assert resolve(["--config", str(table)]).parallelism.strategy == "shard_grad_op"
+    both = tmp_path / "both.toml"
+    both.write_text("lr = 1.0\n[optimizer]\nlr = 2.0\n")
+    with pytest.raises(ConfigError, match="sets lr twice"):
+        resolve(["--config", str(both)])
 
 
 def test_resolved_toml_round_trips(tmp_path: Path) -> None:
-    cfg = TrainConfig(model="tiny", prompt='say "hi"\n', name=None, lr=2e-4, progress=False)
+    cfg = TrainConfig.of(model="tiny", prompt='say "hi"\n', name=None, lr=2e-4, progress=False)
     path = tmp_path / "config.toml"
     path.write_text(to_toml(cfg))
     values = load_toml(str(path))
@@ -64,6 +93,9 @@ def test_resolved_toml_round_trips(tmp_path: Path) -> None:
     ("toml", "message"),
     [
         ('modle = "tiny"', "unknown option 'modle' in .*did you mean 'model'"),
+        ('[model]\nnmae = "tiny"', r"unknown option 'nmae' in \[model\] .*did you mean 'name'"),
+        ("[training]\nlr = 0.1", r"unknown option 'lr' in \[training\]"),
+        ('[optimizer]\nlr = "fast"', "'lr' .* must be float"),
         ('max_steps = "ten"', "'max_steps' .* must be int"),
         ("progress = 1", "'progress' .* must be bool"),
         ('strategy = "zero3"', "must be one of full_shard, shard_grad_op"),
@@ -87,31 +119,35 @@ def test_missing_config_file() -> None:
 @pytest.mark.parametrize(
     ("cfg", "world", "message"),
     [
-        (TrainConfig(data="/no/such/file.txt"), 2, "data path '/no/such/file.txt' does not exist"),
-        (TrainConfig(model="gpt5"), 2, "unknown model 'gpt5'.*tiny, demo, small"),
-        (TrainConfig(batch_size=16), 3, "not divisible by world size 3.*--batch-size 15 or 18"),
-        (TrainConfig(batch_size=8, grad_accum=3), 2, "x --grad-accum 3 = 6"),
-        (TrainConfig(model="tiny", seq_len=4096), 2, "exceeds the 128-token context of model"),
-        (TrainConfig(tokenizer="/no/tokenizer"), 2, "neither 'byte' nor a local"),
-        (TrainConfig(max_steps=0), 2, "--max-steps must be at least 1"),
-        (TrainConfig(val_fraction=1.0), 2, "--val-fraction"),
-        (TrainConfig(model="hf:gpt7-giant"), 2, "gpt7-giant"),
-        (TrainConfig(device="cpu", backend="nccl"), 2, "--backend nccl moves CUDA tensors only"),
+        (
+            TrainConfig.of(data="/no/such/file.txt"),
+            2,
+            "data path '/no/such/file.txt' does not exist",
+        ),
+        (TrainConfig.of(model="gpt5"), 2, "unknown model 'gpt5'.*tiny, demo, small"),
+        (TrainConfig.of(batch_size=16), 3, "not divisible by world size 3.*--batch-size 15 or 18"),
+        (TrainConfig.of(batch_size=8, grad_accum=3), 2, "x --grad-accum 3 = 6"),
+        (TrainConfig.of(model="tiny", seq_len=4096), 2, "exceeds the 128-token context of model"),
+        (TrainConfig.of(tokenizer="/no/tokenizer"), 2, "neither 'byte' nor a local"),
+        (TrainConfig.of(max_steps=0), 2, "--max-steps must be at least 1"),
+        (TrainConfig.of(val_fraction=1.0), 2, "--val-fraction"),
+        (TrainConfig.of(model="hf:gpt7-giant"), 2, "gpt7-giant"),
+        (TrainConfig.of(device="cpu", backend="nccl"), 2, "--backend nccl moves CUDA tensors only"),
         # --deterministic: 16 in micro-batches of 2 is 8, which runs on 1, 2, 4 or 8 ranks
         (
-            TrainConfig(deterministic=True, micro_batch_size=2),
+            TrainConfig.of(deterministic=True, micro_batch_size=2),
             3,
             "on 3 ranks.* is 8, which give the same bits on 1, 2, 4, 8 ranks",
         ),
         (
-            TrainConfig(deterministic=True, batch_size=24, micro_batch_size=4),
+            TrainConfig.of(deterministic=True, batch_size=24, micro_batch_size=4),
             4,
             "is 6, which give the same bits on 1, 2 ranks.*a multiple of 4",
         ),
-        (TrainConfig(deterministic=True, micro_batch_size=3), 2, "does not divide --batch-size"),
-        (TrainConfig(deterministic=True, grad_accum=2), 2, "drop --grad-accum"),
-        (TrainConfig(deterministic=True, tp=2), 4, "--deterministic with --tp"),
-        (TrainConfig(deterministic=True, mixed_precision="fp16"), 2, "fp16 is not supported"),
+        (TrainConfig.of(deterministic=True, micro_batch_size=3), 2, "does not divide --batch-size"),
+        (TrainConfig.of(deterministic=True, grad_accum=2), 2, "drop --grad-accum"),
+        (TrainConfig.of(deterministic=True, tp=2), 4, "--deterministic with --tp"),
+        (TrainConfig.of(deterministic=True, mixed_precision="fp16"), 2, "fp16 is not supported"),
     ],
 )
 def test_validation_messages(cfg: TrainConfig, world: int, message: str) -> None:
@@ -122,17 +158,19 @@ def test_validation_messages(cfg: TrainConfig, world: int, message: str) -> None
 def test_help_documents_every_option() -> None:
     train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
     text = train.format_help()
-    for f in fields(TrainConfig):
-        assert "--" + f.name.replace("_", "-") in text, f.name
+    for option in OPTIONS:
+        assert "--" + option.replace("_", "-") in text, option
     assert "--config" in text and "metrics.jsonl" in text
+    for section in [f.name for f in fields(TrainConfig)]:
+        assert f"\n{section}:\n  [{section}]: " in text, section  # a group per section
 
 
 def test_backend_from_toml_and_flags(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text('backend = "gloo"\ndevice = "cpu"\n')
     cfg = resolve(["--config", str(path)])
-    assert (cfg.backend, cfg.device) == ("gloo", "cpu")
-    assert resolve(["--config", str(path), "--backend", "auto"]).backend == "auto"
+    assert (cfg.launch.backend, cfg.launch.device) == ("gloo", "cpu")
+    assert resolve(["--config", str(path), "--backend", "auto"]).launch.backend == "auto"
     assert load_toml_text(to_toml(cfg), tmp_path)["backend"] == "gloo"  # the run's config.toml
     validate(cfg, 2)
 
@@ -146,21 +184,21 @@ def load_toml_text(text: str, tmp_path: Path) -> dict:
 def test_float8_without_torchao_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed (it is, in dev)
     with pytest.raises(ConfigError, match=r"pip install torchao .*fullshard\[float8\]"):
-        validate(TrainConfig(float8=True), 2)
+        validate(TrainConfig.of(float8=True), 2)
 
 
 def test_sharding_options_from_flags_toml_and_back(tmp_path: Path) -> None:
     cfg = resolve(["--cpu-offload", "--reshard-after-forward", "2"])
-    assert (cfg.cpu_offload, cfg.reshard_after_forward) == (True, "2")
+    assert (cfg.parallelism.cpu_offload, cfg.parallelism.reshard_after_forward) == (True, "2")
     assert load_toml_text(to_toml(cfg), tmp_path)["reshard_after_forward"] == "2"
     # TOML's own booleans and integers read as the flag's words
     path = tmp_path / "run.toml"
     for toml, word in (("false", "false"), ("true", "true"), ("4", "4"), ('"TRUE"', "TRUE")):
         path.write_text(f"cpu_offload = true\nreshard_after_forward = {toml}\n")
         cfg = resolve(["--config", str(path)])
-        assert (cfg.cpu_offload, cfg.reshard_after_forward) == (True, word)
+        assert (cfg.parallelism.cpu_offload, cfg.parallelism.reshard_after_forward) == (True, word)
     unset = TrainConfig()
-    assert (unset.cpu_offload, unset.reshard_after_forward) == (False, None)
+    assert (unset.parallelism.cpu_offload, unset.parallelism.reshard_after_forward) == (False, None)
     assert "# reshard_after_forward = (unset)" in to_toml(unset)
 
 
@@ -168,7 +206,7 @@ def test_launched_ranks_get_the_validated_config_itself() -> None:
     """The launcher hands its ranks the config it validated (no flags to parse again), every
     field as it was, floats to the bit."""
     cfg = resolve(["--cpu-offload", "--reshard-after-forward", "2", "--lr", "0.1", "--name=-x"])
-    cfg.lr = 0.1 + 2**-55  # the last bit of a float survives
+    cfg.optimizer.lr = 0.1 + 2**-55  # the last bit of a float survives
     assert from_env(to_env(cfg)) == cfg and from_env({}) is None
 
 
@@ -197,9 +235,12 @@ def _action(parser: argparse.ArgumentParser, flag: str) -> argparse.Action:
 
 @pytest.mark.parametrize(
     "flag",
-    ["--model", "--strategy", "--shard-size", "--nproc", "--seq-len", "--device", "--backend",
-     "--threads", "--mixed-precision", "--timeout"],
-)  # fmt: skip
+    [
+        *["--model", "--strategy", "--shard-size", "--nproc", "--seq-len"],
+        *["--device", "--backend", "--threads", "--mixed-precision"],
+        "--timeout",
+    ],
+)
 def test_trace_and_bench_share_train_option_definitions(flag: str) -> None:
     """One definition per option: the same type, choices and help text (the command's own
     default aside, and bench's narrower words where noted)."""
@@ -238,8 +279,11 @@ def test_parallel_dims(
     dims: ParallelDims, dp: int, local_dp: int, group: int, shape: tuple[int, ...]
 ) -> None:
     assert (dims.dp, dims.local_dp, dims.shard_group(), dims.mesh_shape()) == (
-        dp, local_dp, group, shape,
-    )  # fmt: skip
+        dp,
+        local_dp,
+        group,
+        shape,
+    )
     assert dims.dp_rank(dims.world - 1) == dp - 1
 
 
@@ -252,44 +296,3 @@ def test_parallel_dims_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     dims = ParallelDims.from_env(4, tp=2, strategy="hybrid_shard")
     assert (dims.world, dims.local_world, dims.dp, dims.shard_group()) == (16, 8, 8, 4)
-
-
-def _app_imports() -> dict[str, set[str]]:
-    """Module -> the fullshard.app modules it imports, at module level or inside functions."""
-    import ast
-
-    folder = Path(__file__).resolve().parents[1] / "src" / "fullshard" / "app"
-    names = {p.stem for p in folder.glob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for path in folder.glob("*.py"):
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                if node.module.startswith("fullshard.app."):
-                    deps.add(node.module.split(".")[2])
-                elif node.module == "fullshard.app":
-                    deps.update(a.name for a in node.names)
-            elif isinstance(node, ast.Import):
-                deps.update(a.name.split(".")[2] for a in node.names
-                            if a.name.startswith("fullshard.app."))  # fmt: skip
-        graph[path.stem] = (deps & names) - {path.stem}
-    return graph
-
-
-def test_app_has_no_import_cycle() -> None:
-    graph = _app_imports()
-    done: set[str] = set()
-
-    def visit(name: str, path: tuple[str, ...]) -> None:
-        assert name not in path, "import cycle: " + " -> ".join((*path, name))
-        if name in done:
-            return
-        for dep in sorted(graph[name]):
-            visit(dep, (*path, name))
-        done.add(name)
-
-    for name in sorted(graph):
-        visit(name, ())
-    # the error type and the dimensions import no other app module; config only the error
-    assert graph["errors"] == set() and graph["dims"] == set()
-    assert graph["config"] == {"errors"}

@@ -18,15 +18,15 @@ import pytest
 import torch
 from test_app_cli import converted, records, train_on_ranks
 
-from fullshard.app.train import faults as faults_mod
-from fullshard.app.train.faults import Fault, fault_from_env
+from fullshard.app import faults as faults_mod
+from fullshard.app.faults import Fault, fault_from_env
 from fullshard.policies import FullshardError
 
 ARGS = [
-    "--model", "tiny", "--seq-len", "64", "--batch-size", "16", "--log-every", "1",
-    "--eval-every", "0", "--sample-tokens", "0", "--nproc", "2", "--timeout", "60",
-    "--no-progress",
-]  # fmt: skip
+    *["--model", "tiny", "--seq-len", "64", "--batch-size", "16"],
+    *["--log-every", "1", "--eval-every", "0", "--sample-tokens", "0"],
+    *["--nproc", "2", "--timeout", "60", "--no-progress"],
+]
 
 # The runs these tests compare step with the kernel the CUDA path steps with (fused AdamW) on
 # both sides, so that their weights agree bit for bit on any CPU: two implementations' roundings

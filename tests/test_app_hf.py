@@ -85,6 +85,7 @@ def _save_llama(folder: Path, *, tie: bool, max_shard_size: str = "5GB") -> Path
 
 
 def _lazy_vs_full(rank: int, world: int, folder: str) -> dict:
+    from fullshard.app.config import ParallelismConfig
     from fullshard.app.models.wrap import shard_model
 
     lazy = build_model(f"hf:{folder}", 256, lazy_weights=True)
@@ -92,7 +93,7 @@ def _lazy_vs_full(rank: int, world: int, folder: str) -> dict:
     buffers_real = not any(b.is_meta for b in lazy.buffers())
     full = build_model(f"hf:{folder}", 256)
     for m in (lazy, full):
-        shard_model(m, "full_shard", unit_types_of(m))
+        shard_model(m, ParallelismConfig(), unit_types_of(m))
     x = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         same_logits = torch.equal(lazy(x).logits, full(x).logits)
@@ -159,10 +160,15 @@ def test_train_cli_with_a_tiny_llama_checkpoint(
     then trains, evaluates and samples."""
     folder = _save_llama(tmp_path / "llama", tie=True)
     recs = _train(
-        tmp_path / "runs", "hf", monkeypatch, "--model", f"hf:{folder}", "--max-steps", "6",
-        "--seq-len", "32", "--batch-size", "8", "--log-every", "2", "--eval-every", "6",
-        "--eval-batches", "1", "--sample-tokens", "8",
-    )  # fmt: skip
+        tmp_path / "runs",
+        "hf",
+        monkeypatch,
+        "--model",
+        f"hf:{folder}",
+        *["--max-steps", "6", "--seq-len", "32", "--batch-size", "8"],
+        *["--log-every", "2", "--eval-every", "6", "--eval-batches", "1"],
+        *["--sample-tokens", "8"],
+    )
     assert [r["step"] for r in recs] == [1, 2, 4, 6]
     assert recs[-1]["loss"] < recs[0]["loss"]
     assert "val_loss" in recs[-1]

@@ -34,10 +34,14 @@ pytestmark = pytest.mark.e2e
 
 STEPS = 24  # enough steps (~0.1 s each) for an external signal to land mid-run
 TRAIN = [
-    "--model", "tiny", "--max-steps", str(STEPS), "--seq-len", "32", "--batch-size", "8",
-    "--warmup-steps", "3", "--log-every", "1", "--eval-every", "0", "--sample-tokens", "0",
-    "--timeout", "120", "--no-progress",
-]  # fmt: skip
+    "--model",
+    "tiny",
+    "--max-steps",
+    str(STEPS),
+    *["--seq-len", "32", "--batch-size", "8", "--warmup-steps", "3"],
+    *["--log-every", "1", "--eval-every", "0", "--sample-tokens", "0"],
+    *["--timeout", "120", "--no-progress"],
+]
 ARGS = [*TRAIN, "--nproc", "2"]
 DEADLINE_S = 180.0
 # the step the first test's rank-1 signal lands on (seeded); the straight run checkpoints there
@@ -162,10 +166,23 @@ def test_signal_on_one_rank_stops_every_rank_after_that_step(
     fault = f"signal:rank=1:step={step}:sig=TERM:repeat=2"
     env = _env(FULLSHARD_FAULT=fault)
     proc = subprocess.run(
-        [sys.executable, "-m", "fullshard.app.cli", "train", *ARGS,
-         "--runs-dir", str(tmp_path), "--name", "cut"],
-        capture_output=True, text=True, timeout=DEADLINE_S, env=env, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fullshard.app.cli",
+            "train",
+            *ARGS,
+            "--runs-dir",
+            str(tmp_path),
+            "--name",
+            "cut",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == PREEMPTED_EXIT, proc.stdout + proc.stderr
     assert "sends itself SIGTERM again, during the preemption checkpoint's save" in proc.stdout
     assert f"preempted after step {step} (SIGTERM): checkpoint " in proc.stdout
@@ -178,8 +195,17 @@ def test_signal_to_fullshard_train_reaches_the_ranks(straight: Straight, tmp_pat
     # container's first process), then SIGTERM as soon as the checkpoint folder appears. What
     # such a checkpoint holds is the first test's (the same path).
     run = tmp_path / "cut"
-    cmd = [sys.executable, "-m", "fullshard.app.cli", "train", *ARGS,
-           "--runs-dir", str(tmp_path), "--name", "cut"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fullshard.app.cli",
+        "train",
+        *ARGS,
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "cut",
+    ]
     with _started(cmd, tmp_path / "log.txt", _env()) as proc:
         _until(lambda: _logged_step(run) >= 2, proc, "logged step 2")
         proc.send_signal(signal.SIGUSR1)
@@ -212,8 +238,18 @@ def test_a_stop_signal_to_the_whole_process_group(
     that stopped from one that was lost."""
     run = tmp_path / "cut"
     mode = ["--elastic", "--micro-batch-size", "2"] if elastic else []
-    cmd = [sys.executable, "-m", "fullshard.app.cli", "train", *ARGS, *mode,
-           "--runs-dir", str(tmp_path), "--name", "cut"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fullshard.app.cli",
+        "train",
+        *ARGS,
+        *mode,
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "cut",
+    ]
     with _started(cmd, tmp_path / "log.txt", _env()) as proc:
         _until(lambda: _logged_step(run) >= 2, proc, "logged step 2")
         os.killpg(proc.pid, sig)
@@ -237,9 +273,16 @@ def test_sigterm_to_the_torchrun_agent(straight: Straight, tmp_path: Path) -> No
     # and waits for them (--shutdown-timeout) before it would SIGKILL them. What such a
     # checkpoint holds is the first test's (the same path).
     run = tmp_path / "cut"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "fullshard.app.cli", "train", *TRAIN,
-           "--runs-dir", str(tmp_path), "--name", "cut"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        *["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"],
+        *["2", "-m", "fullshard.app.cli", "train"],
+        *TRAIN,
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "cut",
+    ]
     with _started(cmd, tmp_path / "log.txt", _env()) as proc:
         _until(lambda: _logged_step(run) >= 2, proc, "logged step 2")
         proc.send_signal(signal.SIGTERM)

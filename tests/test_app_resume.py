@@ -22,10 +22,11 @@ from fullshard.app.cli import main
 pytestmark = pytest.mark.e2e
 
 ARGS = [
-    "--model", "tiny", "--max-steps", "8", "--seq-len", "64", "--batch-size", "16",
-    "--warmup-steps", "2", "--log-every", "1", "--eval-every", "0", "--sample-tokens", "0",
-    "--save-every", "2", "--nproc", "2", "--timeout", "60", "--no-progress",
-]  # fmt: skip
+    *["--model", "tiny", "--max-steps", "8", "--seq-len", "64"],
+    *["--batch-size", "16", "--warmup-steps", "2", "--log-every", "1"],
+    *["--eval-every", "0", "--sample-tokens", "0", "--save-every", "2"],
+    *["--nproc", "2", "--timeout", "60", "--no-progress"],
+]
 
 
 def _train(
@@ -74,9 +75,11 @@ def test_killed_rank_restarts_then_stop_and_resume_equal_uninterrupted_bitwise(
     """
     # a restart that hangs (a survivor waiting on the dead rank) fails the test at the deadline
     summary = _train(
-        tmp_path, monkeypatch, "--name", "cut", "--max-restarts", "2", "--stop-after", "5",
+        tmp_path,
+        monkeypatch,
+        *["--name", "cut", "--max-restarts", "2", "--stop-after", "5"],
         fault="kill:rank=1:step=4",
-    )  # fmt: skip
+    )
     assert (summary["resumed_from"], summary["stopped_after"]) == (2, 7)  # the restart's
     cut = tmp_path / "cut" / "checkpoints"  # the last 3 (--keep): the stop's own is the third
     assert sorted(os.listdir(cut)) == ["step_00000004", "step_00000006", "step_00000007"]

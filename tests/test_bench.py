@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from fullshard.app.commands.bench import (
-    add_bench_arguments,
+    add_arguments,
     default_variants,
     main_bench,
     parse_variants,
@@ -29,7 +29,7 @@ MIB = 2**20
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_bench_arguments(parser)
+    add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -150,18 +150,10 @@ def test_external_torchrun_writes_a_timing_report(tmp_path: Path) -> None:
     # Under a user's own torchrun, one launch: timing and communication, no memory figures.
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "fullshard.app.commands.bench",
-        "--model=tiny",
-        "--variants=no_shard,single",
-        "--batch-size=2",
-        "--seq-len=16",
-        "--rounds=1",
-        "--timeout=120",
+        *["-m", "torch.distributed.run", "--standalone"],
+        *["--nproc-per-node=2", "-m", "fullshard.app.cli", "bench"],
+        *["--model=tiny", "--variants=no_shard,single", "--batch-size=2"],
+        *["--seq-len=16", "--rounds=1", "--timeout=120"],
         f"--out={tmp_path}",
     ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
@@ -183,14 +175,9 @@ def test_bf16_gathers_half_the_bytes_and_reduces_in_float32(tmp_path: Path) -> N
     # the fp32 model) and reduce float32 gradients; DDP (autocast) all-reduces its float32
     # gradients. Measured at the c10d dispatcher, so the policies really reached the ranks.
     args = _args(
-        "--model=tiny",
-        "--variants=full_shard,fsdp2,ddp",
-        "--mixed-precision=bf16",
-        "--batch-size=2",
-        "--seq-len=16",
-        "--rounds=1",
-        "--no-memory",
-        "--timeout=300",
+        *["--model=tiny", "--variants=full_shard,fsdp2,ddp"],
+        *["--mixed-precision=bf16", "--batch-size=2", "--seq-len=16"],
+        *["--rounds=1", "--no-memory", "--timeout=300"],
         f"--out={tmp_path}",
     )
     assert main_bench(args) == 0
@@ -208,8 +195,11 @@ def test_bf16_gathers_half_the_bytes_and_reduces_in_float32(tmp_path: Path) -> N
 
 
 def test_one_rank(tmp_path: Path) -> None:
-    args = _args("--model=tiny", "--nproc=1", "--batch-size=2", "--seq-len=16", "--rounds=1",
-                 "--no-memory", "--timeout=300", f"--out={tmp_path}")  # fmt: skip
+    args = _args(
+        *["--model=tiny", "--nproc=1", "--batch-size=2", "--seq-len=16"],
+        *["--rounds=1", "--no-memory", "--timeout=300"],
+        f"--out={tmp_path}",
+    )
     assert main_bench(args) == 0
     summary = json.loads((tmp_path / "bench.json").read_text())
     assert summary["config"]["world_size"] == 1
@@ -221,11 +211,7 @@ def test_one_rank(tmp_path: Path) -> None:
 
 def test_variant_choice() -> None:
     assert default_variants(2) == [
-        "full_shard",
-        "shard_grad_op",
-        "no_shard",
-        "fsdp2",
-        "ddp",
+        *["full_shard", "shard_grad_op", "no_shard", "fsdp2", "ddp"],
         "single",
     ]
     assert "hybrid_shard" in default_variants(4)
@@ -247,23 +233,12 @@ def test_bad_options_fail_before_launching(tmp_path: Path, capsys: pytest.Captur
 
 def test_help_documents_every_option() -> None:
     parser = argparse.ArgumentParser()
-    add_bench_arguments(parser)
+    add_arguments(parser)
     text = parser.format_help()
     for flag in (
-        "--model",
-        "--nproc",
-        "--batch-size",
-        "--seq-len",
-        "--warmup",
-        "--rounds",
-        "--variants",
-        "--out",
-        "--threads",
-        "--timeout",
-        "--no-memory",
-        "--mixed-precision",
-        "--device",
-        "--backend",
+        *["--model", "--nproc", "--batch-size", "--seq-len", "--warmup"],
+        *["--rounds", "--variants", "--out", "--threads", "--timeout"],
+        *["--no-memory", "--mixed-precision", "--device", "--backend"],
     ):
         assert flag in text
     for size in ("tiny", "small", "gpt2-124m", "1b"):

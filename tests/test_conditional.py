@@ -30,17 +30,26 @@ def _moe(rank: int, world: int, how: str) -> dict[str, Any]:
     micro = 2 if how == "accumulate" else 1
     ref_dtype = torch.float32 if how == "mixed" else None
     return train(
-        rank, world, lambda: MoELM().double(), lambda m: shard_moe(m, how, world),  # type: ignore[arg-type]
-        moe_loss, moe_batches(3, micro, world), ref_dtype,
-    )  # fmt: skip
+        rank,
+        world,
+        lambda: MoELM().double(),
+        lambda m: shard_moe(m, how, world),  # type: ignore[arg-type]
+        moe_loss,
+        moe_batches(3, micro, world),
+        ref_dtype,
+    )
 
 
 def _vlm(rank: int, world: int, images: list[list[bool]], optional: bool) -> dict[str, Any]:
     try:
         return train(
-            rank, world, tiny_llava, lambda m: shard_vlm(m, optional), vlm_loss,
+            rank,
+            world,
+            tiny_llava,
+            lambda m: shard_vlm(m, optional),
+            vlm_loss,
             vlm_batches(images),
-        )  # fmt: skip
+        )
     except Exception as exc:  # the undeclared skip: the error every rank must raise
         return {"error": f"{type(exc).__name__}: {exc}"}
 

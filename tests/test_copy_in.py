@@ -76,17 +76,23 @@ class Wrapped(torch.Tensor):
     @staticmethod
     def __new__(cls, data: torch.Tensor) -> Wrapped:  # noqa: PYI034
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
-            cls, data.shape, data.stride(), data.storage_offset(), dtype=data.dtype,
+            cls,
+            data.shape,
+            data.stride(),
+            data.storage_offset(),
+            dtype=data.dtype,
             device=data.device,
-        )  # fmt: skip
+        )
 
     def __init__(self, data: torch.Tensor) -> None:
         self._data = data
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*pytree.tree_map_only(cls, lambda x: x._data, (args, kwargs or {}))[0],
-                   **pytree.tree_map_only(cls, lambda x: x._data, kwargs or {}))  # fmt: skip
+        out = func(
+            *pytree.tree_map_only(cls, lambda x: x._data, (args, kwargs or {}))[0],
+            **pytree.tree_map_only(cls, lambda x: x._data, kwargs or {}),
+        )
         return pytree.tree_map_only(torch.Tensor, cls, out)
 
     def __tensor_flatten__(self) -> tuple[list[str], None]:
@@ -209,8 +215,10 @@ def _run(impl: str, kind: str, attach_after: bool = False) -> dict[int, dict[str
                 both = zip(_inner(v), _inner(want[k]), strict=True)
                 full_diff = max([full_diff, *(float((a - b).abs().max()) for a, b in both)])
         local_types = {type(p._local_tensor).__name__ for p in model.parameters()}
-        loss_diff = max(float((a - torch.stack(_inner(b))).abs().max()) for a, b in
-                        zip(losses, ref_losses, strict=True))  # fmt: skip
+        loss_diff = max(
+            float((a - torch.stack(_inner(b))).abs().max())
+            for a, b in zip(losses, ref_losses, strict=True)
+        )
         out[rank] = {
             "diff": max(diff, full_diff),
             "loss_diff": loss_diff,

@@ -149,10 +149,12 @@ def test_library_loop_gives_the_one_rank_bits(library_runs: dict[int, dict[str, 
 
 def test_train_stopped_at_4_ranks_resumed_at_2_equals_one_rank(tmp_path: Path) -> None:
     common = [
-        "--deterministic", "--model", "tiny", "--max-steps", "4", "--batch-size", "8",
-        "--micro-batch-size", "2", "--seq-len", "32", "--sample-tokens", "0", "--log-every", "1",
-        "--eval-every", "2", "--eval-batches", "3", "--no-progress", "--runs-dir", str(tmp_path),
-    ]  # fmt: skip
+        *["--deterministic", "--model", "tiny", "--max-steps", "4"],
+        *["--batch-size", "8", "--micro-batch-size", "2", "--seq-len", "32"],
+        *["--sample-tokens", "0", "--log-every", "1", "--eval-every", "2"],
+        *["--eval-batches", "3", "--no-progress", "--runs-dir"],
+        str(tmp_path),
+    ]
     ok = [{"status": 0}] * 4
     assert [r["status"] for r in train_on_ranks([*common, "--name", "one"], world=1)] == [0]
     stop = [*common, "--name", "moved", "--save-every", "2", "--stop-after", "2"]

@@ -34,10 +34,11 @@ from fullshard.elastic import (
 from fullshard.elastic.membership import Decision, admission, after_loss
 
 COMMON = [
-    "--model", "tiny", "--max-steps", "8", "--batch-size", "16", "--micro-batch-size", "2",
-    "--seq-len", "64", "--sample-tokens", "0", "--no-progress", "--log-every", "1",
-    "--eval-every", "0", "--deterministic",
-]  # fmt: skip
+    *["--model", "tiny", "--max-steps", "8", "--batch-size", "16"],
+    *["--micro-batch-size", "2", "--seq-len", "64", "--sample-tokens"],
+    *["0", "--no-progress", "--log-every", "1", "--eval-every", "0"],
+    "--deterministic",
+]
 
 
 def _held(own: dict[int, str], copy: dict[int, str]) -> dict[str, Any]:
@@ -90,8 +91,10 @@ def test_the_next_membership_keeps_slots_fills_them_and_shrinks_to_a_world_the_j
     # everyone checked in and nobody waits: not a loss (every rank's error is kept to say so)
     ready = {m: {"error": f"e{m}", "failed_at": 1.0} for m in old}
     assert after_loss(old, ready, {}, [], _power_of_two, every) == {
-        "members": old, "unchanged": True, "errors": [(0, "e0"), (1, "e1"), (2, "e2"), (3, "e3")]
-    }  # fmt: skip
+        "members": old,
+        "unchanged": True,
+        "errors": [(0, "e0"), (1, "e1"), (2, "e2"), (3, "e3")],
+    }
     # joiners are admitted in the order they asked, as many as make a world the job takes
     assert admission([0, 1], [Joiner(5)], _power_of_two) is None
     record = admission([0, 1], [Joiner(5), Joiner(6), Joiner(7)], _power_of_two)
@@ -219,8 +222,9 @@ def uninterrupted_sha(tmp: Path) -> str:
     """The weights' sha256 after the uninterrupted run on one rank (--deterministic: the same
     bits at any world size)."""
     # (a forkserver started by an earlier launch may hold a fault: cleared here)
-    ok = train_on_ranks([*COMMON, "--runs-dir", str(tmp), "--name", "one"], world=1,
-                        env={"FULLSHARD_FAULT": ""})  # fmt: skip
+    ok = train_on_ranks(
+        [*COMMON, "--runs-dir", str(tmp), "--name", "one"], world=1, env={"FULLSHARD_FAULT": ""}
+    )
     assert [r["status"] for r in ok] == [0]
     return _sha(tmp / "one" / "checkpoints" / "step_00000008", tmp / "one.safetensors")
 
@@ -268,15 +272,25 @@ def test_under_hsdp_a_lost_replica_is_rebuilt_from_the_other_replica(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference_sha: str
 ) -> None:
     # two replicas of a shard group of two: rank 2 holds what rank 0 holds, nothing is sent
-    run = ["--runs-dir", str(tmp_path), "--name", "hsdp", "--strategy", "hybrid_shard",
-           "--shard-size", "2"]  # fmt: skip
+    run = [
+        "--runs-dir",
+        str(tmp_path),
+        *["--name", "hsdp", "--strategy", "hybrid_shard", "--shard-size"],
+        "2",
+    ]
     assert _elastic(run, monkeypatch, "kill:rank=2:step=4") == 0
     summary = json.loads((tmp_path / "hsdp" / "summary.json").read_text())
     # the newest boundary (3) is held in full by the survivors themselves: no step replayed
     assert _changes(summary) == [
-        {"step": 4, "reason": "loss", "world_size": 4, "ranks_lost": [2], "ranks_joined": [2],
-         "ranks_left": []},
-    ]  # fmt: skip
+        {
+            "step": 4,
+            "reason": "loss",
+            "world_size": 4,
+            "ranks_lost": [2],
+            "ranks_joined": [2],
+            "ranks_left": [],
+        },
+    ]
     ckpt = tmp_path / "hsdp" / "checkpoints" / "step_00000008"
     assert _sha(ckpt, tmp_path / "hsdp.safetensors") == reference_sha
 
@@ -303,8 +317,11 @@ def test_the_cuda_path_recovers_with_no_ordering_error_and_no_host_sync_in_a_qui
     # tensor: each is written whole before it is read (NOTE [Kernel contracts])
     assert summary["filled_bytes"] == 0
     # the CUDA path's own bits (fused AdamW), uninterrupted, on one rank
-    ok = train_on_ranks([*COMMON, *quiet, "--runs-dir", str(tmp_path), "--name", "one"], world=1,
-                        env={"FULLSHARD_FAULT": "", "FULLSHARD_CUDA_EMULATION": "1"})  # fmt: skip
+    ok = train_on_ranks(
+        [*COMMON, *quiet, "--runs-dir", str(tmp_path), "--name", "one"],
+        world=1,
+        env={"FULLSHARD_FAULT": "", "FULLSHARD_CUDA_EMULATION": "1"},
+    )
     assert [r["status"] for r in ok] == [0]
     shas = [
         _sha(tmp_path / name / "checkpoints" / "step_00000008", tmp_path / f"{name}.safetensors")

@@ -100,8 +100,13 @@ def test_the_launchers_loss_stops_the_ranks_with_a_checkpoint_and_one_message(
     """The launcher (it hosts the job's store) SIGKILLed at step 4: the ranks stop after the
     same step, save a checkpoint, and rank 0 says so once, naming it and the command that
     resumes; no C++ stacks (NOTE [Losing the store]). That command gives the same bits."""
-    run = [*COMMON, "--nproc", "4", "--elastic", "--timeout", "60", "--runs-dir", str(tmp_path),
-           "--name", "orphans"]  # fmt: skip
+    run = [
+        *COMMON,
+        *["--nproc", "4", "--elastic", "--timeout", "60", "--runs-dir"],
+        str(tmp_path),
+        "--name",
+        "orphans",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "FULLSHARD_FAULT": "launcher:step=4"}
     cmd = [sys.executable, "-m", "fullshard.app.cli", "train", *run]
     # the ranks outlive the launcher; the command's output ends when the last of them does

@@ -38,11 +38,25 @@ def test_under_two_torchrun_agents_a_lost_node_is_survived_and_its_restart_joins
     decides the membership) and the run ends at world 2."""
     port, run_id = _free_port(), f"job{os.getpid()}"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
-        "1", "--rdzv-backend", "fullshard", "--rdzv-endpoint", f"127.0.0.1:{port}",
-        "--rdzv-id", run_id, "-m", "fullshard.app.cli", "train", *COMMON, "--elastic",
-        "--timeout", "60", "--runs-dir", str(tmp_path), "--name", "nodes",
-    ]  # fmt: skip
+        sys.executable,
+        *["-m", "torch.distributed.run", "--nnodes", "1:2"],
+        *["--nproc-per-node", "1", "--rdzv-backend", "fullshard"],
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        run_id,
+        "-m",
+        "fullshard.app.cli",
+        "train",
+        *COMMON,
+        "--elastic",
+        "--timeout",
+        "60",
+        "--runs-dir",
+        str(tmp_path),
+        "--name",
+        "nodes",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
     fault = {**env, "FULLSHARD_FAULT": "node:rank=1:step=3+hold:rank=0:step=5"}
@@ -78,17 +92,23 @@ def test_under_two_torchrun_agents_a_lost_node_is_survived_and_its_restart_joins
     # after the recovery (the survivor goes on alone, then admits it at a boundary), or while
     # the survivor is still deciding the next membership (it takes the lost slot at once)
     assert changes and {k: changes[0][k] for k in ("step", "reason", "ranks_lost")} == {
-        "step": 2, "reason": "loss", "ranks_lost": [1]
-    }, changes  # fmt: skip
+        "step": 2,
+        "reason": "loss",
+        "ranks_lost": [1],
+    }, changes
     if changes[0]["world_size"] == 1:
         assert changes[0]["ranks_joined"] == [] and len(changes) == 2, changes
         assert {k: changes[1][k] for k in ("reason", "world_size", "ranks_joined")} == {
-            "reason": "join", "world_size": 2, "ranks_joined": [1]
-        }  # fmt: skip
+            "reason": "join",
+            "world_size": 2,
+            "ranks_joined": [1],
+        }
     else:
         assert (changes[0]["world_size"], changes[0]["ranks_joined"], len(changes)) == (
-            2, [1], 1
-        ), changes  # fmt: skip
+            2,
+            [1],
+            1,
+        ), changes
     pids = summary["pids"]  # node 0's rank kept its process; node 1's is a new one
     assert pids[0] == summary["pids_at_start"][0] and pids[1] != summary["pids_at_start"][1]
     ckpt = tmp_path / "nodes" / "checkpoints" / "step_00000008"

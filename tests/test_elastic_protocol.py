@@ -122,9 +122,15 @@ def test_the_watcher_follows_the_news_suspects_its_neighbour_and_ends_when_fence
     monkeypatch.setattr(watcher, "HEARTBEAT_S", 0.05)
     fenced: list[str] = []
     w = watcher.Watcher(
-        "127.0.0.1", store.port, 1, lambda: 0, members=lambda: OLD, neighbour=lambda: 2,
-        progress=lambda: 4, on_fenced=lambda m, why: fenced.append(why),
-    )  # fmt: skip
+        "127.0.0.1",
+        store.port,
+        1,
+        lambda: 0,
+        members=lambda: OLD,
+        neighbour=lambda: 2,
+        progress=lambda: 4,
+        on_fenced=lambda m, why: fenced.append(why),
+    )
     jobs = JobStore(store)
     try:
         deadline = time.monotonic() + 10

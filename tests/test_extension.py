@@ -154,8 +154,10 @@ def test_float8_all_gather_moves_half_the_bytes_of_bf16() -> None:
     assert got["float8"]["grad_dtype"] == got["bf16"]["grad_dtype"] == "torch.bfloat16"
     # the scale's all-reduce (one per weight per gather) is the toy's own, inside its hook
     assert got["float8"]["calls"]["all_reduce"] == 2 * units
-    print(f"\nall-gather bytes per step, {world} ranks, 3 x (64x64) units: bf16 {bf16}, "
-          f"fp32 {fp32}, float8 {fp8} ({fp8 / bf16:.3f} of bf16)")  # fmt: skip
+    print(
+        f"\nall-gather bytes per step, {world} ranks, 3 x (64x64) units: bf16 {bf16}, "
+        f"fp32 {fp32}, float8 {fp8} ({fp8 / bf16:.3f} of bf16)"
+    )
 
 
 def _subclass_state(rank: int, world: int) -> dict:

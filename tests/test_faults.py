@@ -428,11 +428,12 @@ def test_deferred_checks_report_a_desync_at_the_next_step_on_every_rank() -> Non
 
 
 def _unit_codes(rank: int, world: int) -> dict:
+    from fullshard.app.config import ParallelismConfig
     from fullshard.app.models.gpt import build_model, unit_types_of
     from fullshard.app.models.wrap import shard_model
 
     model = build_model("gpt2-124m", 256, seed=0, device="meta")
-    shard_model(model, "full_shard", unit_types_of(model))
+    shard_model(model, ParallelismConfig(), unit_types_of(model))
     model.to_empty(device="cpu")  # uninitialised memory is enough to number the units
     # the root numbers its units on its first forward: one token is enough
     model(torch.zeros(1, 1, dtype=torch.long))

@@ -20,10 +20,11 @@ from test_app_cli import records
 pytestmark = pytest.mark.e2e
 
 TRAIN = [
-    "train", "--model", "tiny", "--max-steps", "8", "--seq-len", "32", "--batch-size", "8",
-    "--warmup-steps", "2", "--log-every", "1", "--eval-every", "0", "--sample-tokens", "0",
-    "--timeout", "120", "--no-progress",
-]  # fmt: skip
+    *["train", "--model", "tiny", "--max-steps", "8", "--seq-len", "32"],
+    *["--batch-size", "8", "--warmup-steps", "2", "--log-every", "1"],
+    *["--eval-every", "0", "--sample-tokens", "0", "--timeout", "120"],
+    "--no-progress",
+]
 DEADLINE_S = 240.0
 
 
@@ -42,10 +43,17 @@ def _env() -> dict[str, str]:
 def _two_nodes(args: list[str], logs: Path) -> list[tuple[int, str]]:
     """Run ``fullshard ARGS`` on two agents x 2 ranks; (status, output) per agent."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-           "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"fullshard-test-{port}",
-           "-m", "fullshard.app.cli", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        *["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node"],
+        *["2", "--rdzv-backend", "c10d", "--rdzv-endpoint"],
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"fullshard-test-{port}",
+        "-m",
+        "fullshard.app.cli",
+        *args,
+    ]
     procs: list[subprocess.Popen[bytes]] = []
     paths = [logs / f"node{i}.txt" for i in range(2)]
     try:
@@ -58,7 +66,7 @@ def _two_nodes(args: list[str], logs: Path) -> list[tuple[int, str]]:
                         stderr=subprocess.STDOUT,
                         env=_env(),
                         start_new_session=True,
-                    )  # fmt: skip
+                    )
                 )
         statuses = [p.wait(timeout=DEADLINE_S) for p in procs]
     finally:
@@ -84,10 +92,18 @@ def test_hybrid_shard_on_two_nodes_then_resume_on_one(tmp_path: Path) -> None:
     # The same run resumed on one node of 2 ranks: the data is split another way on another
     # world size (not bit-exact), but it continues from step 4 and finishes.
     proc = run_command(
-        [sys.executable, "-m", "fullshard.app.cli", *TRAIN, *out, "--nproc", "2",
-         "--strategy", "full_shard", "--resume", "latest"],
-        deadline_s=DEADLINE_S, what="resume on one node", env=_env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fullshard.app.cli",
+            *TRAIN,
+            *out,
+            *["--nproc", "2", "--strategy", "full_shard", "--resume", "latest"],
+        ],
+        deadline_s=DEADLINE_S,
+        what="resume on one node",
+        env=_env(),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from step 4" in proc.stdout and "2 ranks (gloo)" in proc.stdout
     recs = records(run)

@@ -176,13 +176,14 @@ def _tracker_and_profiler(rank: int, world: int, strategy: str) -> dict:
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from fullshard.app.config import ParallelismConfig
     from fullshard.app.models.gpt import build_model, unit_types_of
     from fullshard.app.models.wrap import shard_model
 
     gen = torch.Generator().manual_seed(rank)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = build_model("tiny", 256, seed=0, device="cpu")
-        shard_model(model, strategy, unit_types_of(model))
+        shard_model(model, ParallelismConfig(strategy=strategy), unit_types_of(model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         data = [torch.randint(256, (2, 33), generator=gen) for _ in range(3)]
 
@@ -270,8 +271,11 @@ def test_trace_cli_writes_chrome_trace_png_and_exposed_time(
     from test_app_cli import main_in_process
 
     out = tmp_path / "trace"
-    argv = ["trace", "--model", "tiny", "--steps", "1", "--warmup", "1", "--seq-len", "32",
-            "--batch-size", "2", "--nproc", "3", "--out", str(out)]  # fmt: skip
+    argv = [
+        *["trace", "--model", "tiny", "--steps", "1", "--warmup", "1"],
+        *["--seq-len", "32", "--batch-size", "2", "--nproc", "3", "--out"],
+        str(out),
+    ]
     assert main_in_process(argv, monkeypatch, deadline_s=300) == 0
     summary = json.loads((out / "trace_summary.json").read_text())
     assert summary["world_size"] == 3 and summary["steps"] == 1 and len(summary["per_rank"]) == 3

@@ -159,11 +159,15 @@ def test_train_with_muon_resumed_at_4_ranks_equals_one_rank(tmp_path: Path) -> N
     from fullshard.app.cli import main
 
     common = [
-        "--optimizer", "muon", "--deterministic", "--model", "tiny", "--max-steps", "4",
-        "--batch-size", "8", "--micro-batch-size", "2", "--seq-len", "32", "--sample-tokens",
-        "0", "--log-every", "1", "--eval-every", "4", "--eval-batches", "1", "--no-progress",
-        "--runs-dir", str(tmp_path), "--save-every", "2",
-    ]  # fmt: skip
+        *["--optimizer", "muon", "--deterministic", "--model", "tiny"],
+        *["--max-steps", "4", "--batch-size", "8", "--micro-batch-size", "2"],
+        *["--seq-len", "32", "--sample-tokens", "0", "--log-every", "1"],
+        *["--eval-every", "4", "--eval-batches", "1", "--no-progress"],
+        "--runs-dir",
+        str(tmp_path),
+        "--save-every",
+        "2",
+    ]
     assert [r["status"] for r in train_on_ranks([*common, "--name", "one"], world=1)] == [0]
     half = str(tmp_path / "one" / "checkpoints" / "step_00000002")
     resumed = train_on_ranks([*common, "--name", "moved", "--resume", half], world=4)

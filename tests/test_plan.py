@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from fullshard.app.cli import main
-from fullshard.app.commands.plan import make_plan, model_vocab, plan_builtin
+from fullshard.app.commands.plan import make_plan
 from fullshard.app.models.gpt import build_model, count_params, lm_loss, unit_types_of
+from fullshard.app.models.planning import model_vocab, plan_builtin
 from fullshard.comm.desync import TAG_LEN
 from fullshard.engine.sharding import hybrid_shard_size
 from fullshard.observe.rss import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -90,9 +91,13 @@ def test_activation_checkpointing_keeps_layer_inputs() -> None:
     cfg = PlanConfig(batch=2, seq=1024)
     full = plan_analytic(7.5e9, 64, cfg, layers=32, hidden=4096, heads=32)
     ckpt = plan_analytic(
-        7.5e9, 64, PlanConfig(batch=2, seq=1024, activation_checkpointing=True), layers=32,
-        hidden=4096, heads=32,
-    )  # fmt: skip
+        7.5e9,
+        64,
+        PlanConfig(batch=2, seq=1024, activation_checkpointing=True),
+        layers=32,
+        hidden=4096,
+        heads=32,
+    )
     per_layer = 1024 * 2 * 4096 * (34 + 5 * 32 * 1024 / 4096)  # Korthikanti, 16-bit
     assert full.phases["forward"].activations == pytest.approx(32 * per_layer)
     # forward keeps the inputs of every layer (2 s b h bytes); backward rebuilds one layer (its
@@ -234,8 +239,11 @@ def test_tensor_parallel_splits_the_matrices_and_adds_its_all_reduces() -> None:
     model = build_model("hf:llama-tiny", 256, device="meta")
     # every projection of attention and MLP is split (Llama's have no biases), and the
     # embedding and the head by vocabulary (torchtitan's plan, with loss parallel)
-    split = sum(p.numel() for n, p in model.named_parameters()
-                if n.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight")))  # fmt: skip
+    split = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if n.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
+    )
     whole = count_params(model)
     cfg = PlanConfig(precision="fp32", seq=32, batch=2, tp=2)
     plan = plan_builtin("hf:llama-tiny", 4, cfg, with_recommendation=False)
@@ -313,11 +321,16 @@ LLAMA_3_1_8B = {
     "max_position_embeddings": 131072,
     "rms_norm_eps": 1e-05,
     "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
     "bos_token_id": 128000,
     "eos_token_id": [128001, 128008, 128009],
-}  # fmt: skip
+}
 
 
 def test_cli_plans_a_hf_directory_with_its_own_vocabulary(
@@ -367,9 +380,12 @@ def test_cli_help_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan", "--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--params", "--model", "--layers", "--devices", "--device-memory",
-                   "--precision", "--optimizer", "--strategy", "--hybrid-group", "--batch",
-                   "--seq", "--hidden", "--activation-checkpointing", "--offload", "--json"):  # fmt: skip
+    for option in (
+        *["--params", "--model", "--layers", "--devices", "--device-memory"],
+        *["--precision", "--optimizer", "--strategy", "--hybrid-group"],
+        *["--batch", "--seq", "--hidden", "--activation-checkpointing"],
+        *["--offload", "--json"],
+    ):
         assert option in out
     assert main(["plan", "--params", "1e9", "--devices", "2", "--strategy", "hybrid_shard"]) == 2
     assert "hybrid" in capsys.readouterr().err
@@ -389,16 +405,22 @@ def test_check_mode_measures_what_it_predicts_within_10_percent(tmp_path: Path) 
     def cli(*args: str) -> str:
         proc = subprocess.run(
             [sys.executable, "-m", "fullshard.app.cli", "plan", *args],
-            capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
     cli("--calibrate", "--devices", "2", "--calibration", "here.json")
     machine = load_hardware(str(tmp_path / "here.json"))
     assert machine.kind == "cpu" and machine.rate("fp32") > 0 and machine.memory_bandwidth > 0
-    out = cli("--model", "tiny", "--devices", "2", "--batch", "4", "--seq", "64", "--check",
-              "--gpu", "here.json", "--json")  # fmt: skip
+    out = cli(
+        *["--model", "tiny", "--devices", "2", "--batch", "4", "--seq", "64"],
+        *["--check", "--gpu", "here.json", "--json"],
+    )
     res = json.loads(out[out.index("{") :])
     for phase in ("forward", "backward", "optimizer"):
         predicted = res["predicted"][phase]
@@ -417,13 +439,23 @@ LLAMA_DIR = ROOT / "tests" / "plan_runs" / "llama-3.1-8b"
 
 
 def test_json_carries_memory_reserved_and_speed(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", "--model", f"hf:{LLAMA_DIR}", "--devices", "8", "--batch", "1", "--seq",
-            "2048", "--precision", "bf16", "--activation-checkpointing", "selective", "--gpu",
-            "h100-80gb", "--json"]  # fmt: skip
+    argv = [
+        "plan",
+        "--model",
+        f"hf:{LLAMA_DIR}",
+        *["--devices", "8", "--batch", "1", "--seq", "2048", "--precision"],
+        *["bf16", "--activation-checkpointing", "selective", "--gpu"],
+        *["h100-80gb", "--json"],
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
-    for key in ("peak_bytes", "peak_reserved_bytes", "step_time_s", "tokens_per_s_per_device",
-                "mfu"):  # fmt: skip
+    for key in (
+        "peak_bytes",
+        "peak_reserved_bytes",
+        "step_time_s",
+        "tokens_per_s_per_device",
+        "mfu",
+    ):
         assert data[key] > 0, key
     assert data["peak_reserved_bytes"] > data["peak_bytes"]  # the allocator's factor
     tps = 1 * 2048 / data["step_time_s"]
@@ -528,9 +560,10 @@ def test_float8_gathers_linear_weights_in_one_byte() -> None:
     bf16 = _plan8b(strategy="shard_grad_op")
     fp8 = _plan8b(strategy="shard_grad_op", float8=True)
     linears = sum(
-        p.numel() for n, p in build_model(f"hf:{LLAMA_DIR}", 128256, device="meta")
-        .named_parameters() if n.endswith("_proj.weight")
-    )  # fmt: skip
+        p.numel()
+        for n, p in build_model(f"hf:{LLAMA_DIR}", 128256, device="meta").named_parameters()
+        if n.endswith("_proj.weight")
+    )
     # every block stays gathered under shard_grad_op: its linears at 1 byte instead of 2
     saved = bf16.phases["forward"].gathered_window - fp8.phases["forward"].gathered_window
     assert saved == pytest.approx(linears, rel=0.01)

@@ -35,8 +35,9 @@ def plans() -> dict[str, dict[str, Any]]:
     measure = plan_model_module.measure_activations
     cache: dict[tuple[str, int, int, torch.dtype], Any] = {}
 
-    def memo(model: Any, unit_types: Any, loss_step: Any, batch: int, seq: int,
-             dtype: torch.dtype) -> Any:  # fmt: skip
+    def memo(
+        model: Any, unit_types: Any, loss_step: Any, batch: int, seq: int, dtype: torch.dtype
+    ) -> Any:
         key = (repr(getattr(model, "config", model)), batch, seq, dtype)
         if key not in cache:
             cache[key] = measure(model, unit_types, loss_step, batch, seq, dtype)
@@ -62,8 +63,10 @@ def test_every_published_run_within_15_percent_or_said_why(plans: dict[str, Any]
         beyond = run.get("beyond_15_percent", {})
         for figure, err in _errors(run, plans[run["id"]]).items():
             if (abs(err) > 0.15) != (figure in beyond):
-                wrong.append(f"{run['id']} {figure}: {err:+.1%}"
-                             + (" (said beyond 15%)" if figure in beyond else ""))  # fmt: skip
+                wrong.append(
+                    f"{run['id']} {figure}: {err:+.1%}"
+                    + (" (said beyond 15%)" if figure in beyond else "")
+                )
     assert not wrong, wrong
     # the tables' runs: every one planned, both figures published
     tables = [r for r in RUNS if r.get("table")]

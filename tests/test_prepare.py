@@ -449,12 +449,7 @@ def _train_argv(data: Path, *extra: str) -> list[str]:
         "train",
         "--data",
         str(data),
-        "--model",
-        "tiny",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "4",
+        *["--model", "tiny", "--seq-len", "32", "--batch-size", "4"],
         *extra,
     ]
 
@@ -515,15 +510,23 @@ def _hand_written(folder: Path, ids: np.ndarray, max_id: int) -> Path:
         }
 
     index = {
-        "format": "fullshard-tokens", "version": 1, "dtype": "uint16",
-        "tokenizer": {"kind": "byte", "vocab_size": 256}, "val_fraction": 0.05,
-        "val_block": 4096, "documents": 1, "tokens": len(ids),
+        "format": "fullshard-tokens",
+        "version": 1,
+        "dtype": "uint16",
+        "tokenizer": {"kind": "byte", "vocab_size": 256},
+        "val_fraction": 0.05,
+        "val_block": 4096,
+        "documents": 1,
+        "tokens": len(ids),
         "splits": {
-            "train": {"tokens": len(ids), "shards": [rec("train-00000.bin", tokens=len(ids), max_token_id=max_id)],
-                      "doc_starts": rec("train.docs.bin", documents=0)},
+            "train": {
+                "tokens": len(ids),
+                "shards": [rec("train-00000.bin", tokens=len(ids), max_token_id=max_id)],
+                "doc_starts": rec("train.docs.bin", documents=0),
+            },
             "val": {"tokens": 0, "shards": [], "doc_starts": rec("val.docs.bin", documents=0)},
         },
-    }  # fmt: skip
+    }
     (folder / INDEX).write_text(json.dumps(index))
     return folder / "train-00000.bin"
 
@@ -564,10 +567,15 @@ def test_training_from_shards_equals_training_from_text(
     runs = {}
     for name, data in (("text", text), ("shards", prepared)):
         argv = [
-            "train", "--data", str(data), "--model", "tiny", "--nproc", "2", "--max-steps", "6",
-            "--log-every", "1", "--eval-every", "3", "--batch-size", "8", "--seq-len", "64",
-            "--sample-tokens", "0", "--no-progress", "--runs-dir", str(tmp_path / "runs"),
-        ]  # fmt: skip
+            "train",
+            "--data",
+            str(data),
+            *["--model", "tiny", "--nproc", "2", "--max-steps", "6"],
+            *["--log-every", "1", "--eval-every", "3", "--batch-size", "8"],
+            *["--seq-len", "64", "--sample-tokens", "0", "--no-progress"],
+            "--runs-dir",
+            str(tmp_path / "runs"),
+        ]
         assert main_in_process([*argv, "--name", name], monkeypatch) == 0
         lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
         runs[name] = [

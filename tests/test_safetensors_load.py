@@ -181,8 +181,11 @@ def test_shape_mismatch_names_the_file_and_both_shapes(tmp_path: Path) -> None:
     sd = {k: v.contiguous() for k, v in _reference().state_dict().items() if k != "head.weight"}
     sd["blocks.0.fc1.weight"] = torch.zeros(14, 12)
     save_file(sd, str(tmp_path / "model.safetensors"))
-    with pytest.raises(FullshardError, match=r"'blocks.0.fc1.weight' is \(14, 12\) in .*model"
-                       r"\.safetensors, the model's is \(13, 12\)"):  # fmt: skip
+    with pytest.raises(
+        FullshardError,
+        match=r"'blocks.0.fc1.weight' is \(14, 12\) in .*model"
+        r"\.safetensors, the model's is \(13, 12\)",
+    ):
         check_safetensors(_meta_toy(), tmp_path)
 
 

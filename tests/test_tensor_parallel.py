@@ -224,8 +224,10 @@ def test_checkpoint_saved_at_dp2_tp2_loads_at_dp1_tp2(
         assert r["diff"] <= 1e-12, r
 
 
-TRAIN_FLAGS = ("--max-steps", "3", "--batch-size", "8", "--seq-len", "64", "--eval-every", "0",
-               "--eval-batches", "2", "--sample-tokens", "0")  # fmt: skip
+TRAIN_FLAGS = (
+    *["--max-steps", "3", "--batch-size", "8", "--seq-len", "64"],
+    *["--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "0"],
+)
 
 
 def _cli_rank(rank: int, world: int, argv: list[str]) -> None:
@@ -279,7 +281,7 @@ def test_train_tp2_on_4_ranks_reads_the_data_of_2_data_parallel_ranks(
     from fullshard.app.train.trainer import read_text
 
     def first_batches(world: int, tp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = TrainConfig(model=model, batch_size=8, seq_len=64, nproc=world, tp=tp)
+        cfg = TrainConfig.of(model=model, batch_size=8, seq_len=64, nproc=world, tp=tp)
         tokenizer, tokens = read_text(cfg)
         dims = ParallelDims(world, world, tp)
         data = [rank_data(cfg, dims, tokenizer, tokens, r).sampler for r in range(world)]

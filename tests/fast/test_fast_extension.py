@@ -151,9 +151,10 @@ def test_float8_option_without_torchao_fails_at_wrap_time(
 ) -> None:
     from toy import Block, ToyLM
 
+    from fullshard.app.config import ParallelismConfig
     from fullshard.app.models.wrap import shard_model
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed (it is, in dev)
 
     with pytest.raises(FullshardError, match=r"rank 1: .*pip install torchao"):
-        shard_model(ToyLM(), "full_shard", [Block], float8=True)
+        shard_model(ToyLM(), ParallelismConfig(float8=True), [Block])

@@ -1,9 +1,22 @@
-"""No import cycles in ``src/fullshard``: the whole import graph, read from the source with ``ast``.
+"""No import cycles in ``src/fullshard`` at any depth: the whole import graph, read from the
+source with ``ast``, between modules and between the parts of every package.
 
 A cycle makes the import order matter (the second module of the loop sees the first half
 initialised: an ``ImportError`` or a missing name that depends on which module a program imports
-first), and it ties modules together so that neither can be read, tested or moved alone. Layers
-(``tests/test_layers.py``) forbid upward imports between layers; this forbids loops inside one.
+first), and it ties modules together so that neither can be read, tested or moved alone.
+
+No loop at any depth is also no arrow that runs back up at any depth: with none, every package's
+parts stand on floors, each above all it imports (its longest chain down), and every import runs
+down a floor or more; one loop, and one of its arrows must climb. Where the design orders the
+floors itself, ``tests/fast/test_fast_layers.py`` holds the code to that order: the layers of
+docs/design.md between packages, and the application's parts in the order its ``__init__``
+declares.
+
+At every depth: inside each package, its parts (each module, and each subpackage with all that
+lies under it) must not import each other in a loop either. Two subpackages whose modules import
+each other (once ``app/launch/elastic.py`` -> ``app/train/faults.py`` while
+``app/train/trainer.py`` -> ``app/launch/local.py``) are one loop at the package's scale, though no module loop exists:
+neither subpackage can be read or moved without the other.
 
 What counts as an edge ``a -> b`` (``b`` a module of the package, ``a`` the importing one):
 
@@ -14,17 +27,21 @@ What counts as an edge ``a -> b`` (``b`` a module of the package, ``a`` the impo
   (else ``fullshard.x``, whose ``__init__`` must provide ``y``);
 - relative imports, resolved against the importing module's package.
 
+- imports under ``if TYPE_CHECKING:``: never run, but an annotation ties the two modules for
+  every reader and type checker as an import does (a loop of them is a loop of meaning: the
+  cure is a lower module both read, or a ``Protocol``).
+
 Not counted: the parent packages an import initialises on the way (``import fullshard.a.b`` runs
 ``fullshard/__init__`` and ``fullshard/a/__init__`` first, always before ``b``, so they order
-nothing: counting them would put every module in one loop through the top ``__init__``); imports
-under ``if TYPE_CHECKING:`` (never run: annotations only); ``importlib.import_module`` strings.
-It reads the source (no import), so it runs in milliseconds.
+nothing: counting them would put every module in one loop through the top ``__init__``);
+``importlib.import_module`` strings. It reads the source (no import), so it runs in milliseconds.
 """
 
 from __future__ import annotations
 
 import ast
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -42,26 +59,9 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:``."""
-    if isinstance(test, ast.Name):
-        return test.id == "TYPE_CHECKING"
-    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-
-
 def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth, except those in an ``if TYPE_CHECKING:`` body."""
-    found: list[ast.Import | ast.ImportFrom] = []
-    todo: list[ast.AST] = [tree]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            todo.extend(node.orelse)  # the else branch does run
-            continue
-        todo.extend(ast.iter_child_nodes(node))
-    return found
+    """Every import statement, at any depth (``if TYPE_CHECKING:`` bodies included)."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
 def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -104,7 +104,7 @@ def build_graph(root: Path, package: str) -> Graph:
     return graph
 
 
-def cycles(graph: Graph) -> list[list[str]]:
+def cycles(graph: Mapping[str, Mapping[str, object]]) -> list[list[str]]:
     """The strongly connected components with more than one module, and self-importing
     modules, each sorted; Tarjan's algorithm, iterative (no recursion limit to meet)."""
     index: dict[str, int] = {}
@@ -170,6 +170,52 @@ def one_loop(graph: Graph, component: list[str]) -> str:
     raise AssertionError(f"{component} is no cycle")
 
 
+def packages(graph: Graph) -> list[str]:
+    """The packages among ``graph``'s modules (those with modules under them)."""
+    return sorted({m.rpartition(".")[0] for m in graph if "." in m} & set(graph))
+
+
+def parts_graph(graph: Graph, package: str) -> dict[str, dict[str, str]]:
+    """The import graph between ``package``'s parts: each module directly in it, each
+    subpackage with every module under it, and the package's own ``__init__`` (named as the
+    package). An edge ``a -> b`` when a module of part ``a`` imports one of part ``b``; its line
+    is one such import's, ``"module line N"``."""
+
+    def part(module: str) -> str | None:
+        if module == package:
+            return package
+        if not module.startswith(package + "."):
+            return None
+        return f"{package}.{module[len(package) + 1 :].split('.')[0]}"
+
+    out: dict[str, dict[str, str]] = {}
+    for module, targets in sorted(graph.items()):
+        mine = part(module)
+        if mine is None:
+            continue
+        out.setdefault(mine, {})
+        for target, line in sorted(targets.items()):
+            theirs = part(target)
+            if theirs is not None and theirs != mine:
+                out[mine].setdefault(theirs, f"{module} line {line} imports {target}")
+                out.setdefault(theirs, {})
+    return out
+
+
+def part_loops(graph: Graph) -> list[str]:
+    """Each loop between the parts of a package, at every depth, with the imports that close it."""
+    found = []
+    for package in packages(graph):
+        parts = parts_graph(graph, package)
+        for component in cycles(parts):
+            members = set(component)
+            why = [
+                f"{a} -> {b}: {parts[a][b]}" for a in component for b in parts[a] if b in members
+            ]
+            found.append(f"inside {package}: {', '.join(component)}\n    " + "\n    ".join(why))
+    return found
+
+
 def test_the_package_has_no_import_cycles() -> None:
     graph = build_graph(SRC, PACKAGE)
     # the reader sees the package: a floor, so that an empty graph cannot pass
@@ -177,6 +223,13 @@ def test_the_package_has_no_import_cycles() -> None:
     found = cycles(graph)
     report = [f"{', '.join(c)}\n    e.g. {one_loop(graph, c)}" for c in found]
     assert not found, f"{len(found)} import cycle(s) in src/fullshard:\n" + "\n".join(report)
+
+
+def test_no_package_has_parts_that_import_each_other() -> None:
+    graph = build_graph(SRC, PACKAGE)
+    assert {"fullshard", "fullshard.app", "fullshard.app.train"} <= set(packages(graph))
+    loops = part_loops(graph)
+    assert not loops, f"{len(loops)} loop(s) between a package's parts:\n" + "\n".join(loops)
 
 
 def _package(root: Path, files: dict[str, str]) -> Graph:
@@ -200,17 +253,22 @@ def test_the_finder_sees_planted_cycles(tmp_path: Path) -> None:
             "pkg/selfish.py": "def g():\n    import pkg.selfish\n",
             "pkg/typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
             "    from pkg import e\nelse:\n    from pkg import a\n",
-            "pkg/e.py": "import pkg.typed\n",  # a cycle only through TYPE_CHECKING: none
+            "pkg/e.py": "import pkg.typed\n",  # a cycle through TYPE_CHECKING: one too
         },
     )
     assert graph["pkg.a"] == {"pkg.b": 1} and graph["pkg.b"] == {"pkg.c": 2}
-    assert graph["pkg.typed"] == {"pkg.a": 5}  # the TYPE_CHECKING import is not an edge
+    assert graph["pkg.typed"] == {"pkg.e": 3, "pkg.a": 5}  # TYPE_CHECKING's import is an edge
     found = cycles(graph)
-    assert found == [["pkg.a", "pkg.b", "pkg.c"], ["pkg.d", "pkg.sub"], ["pkg.selfish"]]
+    assert found == [
+        ["pkg.a", "pkg.b", "pkg.c"],
+        ["pkg.d", "pkg.sub"],
+        ["pkg.e", "pkg.typed"],
+        ["pkg.selfish"],
+    ]
     assert one_loop(graph, found[0]) == (
         "pkg.a (line 1) -> pkg.b (line 2) -> pkg.c (line 1) -> pkg.a"
     )
-    assert one_loop(graph, found[2]) == "pkg.selfish (line 2) -> pkg.selfish"
+    assert one_loop(graph, found[3]) == "pkg.selfish (line 2) -> pkg.selfish"
 
 
 def test_the_top_package_closes_a_loop_and_a_chain_does_not(tmp_path: Path) -> None:
@@ -226,3 +284,26 @@ def test_the_top_package_closes_a_loop_and_a_chain_does_not(tmp_path: Path) -> N
     assert cycles(graph) == [["pkg", "pkg.a", "pkg.b"]]
     graph["pkg.b"].clear()
     assert cycles(graph) == []
+
+
+def test_a_loop_between_two_subpackages_is_found_at_their_scale(tmp_path: Path) -> None:
+    # no module loop: a.x -> b.y -> a.z; but a and b, the parts of pkg, import each other
+    graph = _package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a/__init__.py": "",
+            "pkg/a/x.py": "from pkg.b import y\n",
+            "pkg/a/z.py": "",
+            "pkg/b/__init__.py": "",
+            "pkg/b/y.py": "def f():\n    from pkg.a import z\n",
+            "pkg/c.py": "import pkg.a.x\n",  # a part above both: no loop
+        },
+    )
+    assert cycles(graph) == []
+    assert packages(graph) == ["pkg", "pkg.a", "pkg.b"]
+    assert parts_graph(graph, "pkg")["pkg.b"] == {"pkg.a": "pkg.b.y line 2 imports pkg.a.z"}
+    assert part_loops(graph) == [
+        "inside pkg: pkg.a, pkg.b\n    pkg.a -> pkg.b: pkg.a.x line 1 imports pkg.b.y\n"
+        "    pkg.b -> pkg.a: pkg.b.y line 2 imports pkg.a.z"
+    ]

@@ -60,12 +60,14 @@ def test_step_counts_must_be_float32_on_the_device() -> None:
         kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0, eps=1e-8)
         flags = dict(amsgrad=False, maximize=False)
         good = [torch.ones((), dtype=torch.float32)]
-        torch._fused_adamw_(params, [torch.ones(4)], [states[0]], [states[1]], [], good,
-                            **kwargs, **flags)  # type: ignore[arg-type]  # fmt: skip
+        torch._fused_adamw_(
+            params, [torch.ones(4)], [states[0]], [states[1]], [], good, **kwargs, **flags
+        )  # type: ignore[arg-type]
         bad = [torch.ones((), dtype=torch.float64)]
         with pytest.raises(KernelContractError, match="step count.*float64.*misread"):
-            torch._fused_adamw_(params, [torch.ones(4)], [states[0]], [states[1]], [], bad,
-                                **kwargs, **flags)  # type: ignore[arg-type]  # fmt: skip
+            torch._fused_adamw_(
+                params, [torch.ones(4)], [states[0]], [states[1]], [], bad, **kwargs, **flags
+            )  # type: ignore[arg-type]
 
 
 def test_fused_sgd_lr_is_float32_too() -> None:

@@ -39,8 +39,12 @@ def test_the_rule_keeps_embeddings_head_norms_and_biases_for_adamw() -> None:
     mat = {names[id(p)] for p in matrices}
     rest = {names[id(p)] for p in others}
     assert {"tok_embed.weight", "pos_embed.weight", "head.weight"} <= rest
-    assert all(n.endswith(("bias", "ln_1.weight", "ln_2.weight")) or "embed" in n
-               or n.startswith(("ln_f", "head")) for n in rest)  # fmt: skip
+    assert all(
+        n.endswith(("bias", "ln_1.weight", "ln_2.weight"))
+        or "embed" in n
+        or n.startswith(("ln_f", "head"))
+        for n in rest
+    )
     assert "blocks.0.attn.q.weight" in mat and "blocks.0.mlp.proj.weight" in mat
     assert all(p.ndim == 2 for p in matrices)
     assert not hidden_matrix("lm_head.weight", torch.zeros(3, 3), nn.Linear(3, 3))

@@ -80,8 +80,12 @@ class Block(nn.Module):
         k = self.rotate(self.wk(h).view(b, t, s.kv_heads, s.head_dim))
         v = self.wv(h).view(b, t, s.kv_heads, s.head_dim)
         rep = s.heads // s.kv_heads
-        k, v = (z.unsqueeze(3).expand(b, t, s.kv_heads, rep, s.head_dim)
-                .reshape(b, t, s.heads, s.head_dim) for z in (k, v))  # fmt: skip
+        k, v = (
+            z.unsqueeze(3)
+            .expand(b, t, s.kv_heads, rep, s.head_dim)
+            .reshape(b, t, s.heads, s.head_dim)
+            for z in (k, v)
+        )
         y = F.scaled_dot_product_attention(*(z.transpose(1, 2) for z in (q, k, v)), is_causal=True)
         x = x + self.wo(y.transpose(1, 2).contiguous().view(b, t, -1))
         h = self.norm(x, self.n2)
@@ -181,8 +185,10 @@ def _cached(caching_mode: Any) -> list[torch.Tensor]:
 def test_selective_checkpointing_keeps_what_the_policy_caches() -> None:
     mode, block, x = _fake_block(torch.bfloat16)
     # on a CPU, SDPA is its flash kernel for CPU: the policy's "attention" op here
-    save = {torch.ops.aten.mm.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}  # fmt: skip
+    save = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
     contexts = create_selective_checkpoint_contexts(_titan_policy(save))
     outer: list[torch.Tensor] = []
 

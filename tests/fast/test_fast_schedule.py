@@ -62,26 +62,32 @@ def _points(events: list, unit: str) -> list[str]:
         pytest.param(
             {},
             ["FORWARD_START", "FORWARD_END", "FREE", "BACKWARD_START", "BACKWARD_END", "FREE"],
-            ["FORWARD_START", "FORWARD_END", "BACKWARD_START", "BACKWARD_END", "FREE",
-             "BACKWARD_DONE"],
+            [
+                *["FORWARD_START", "FORWARD_END", "BACKWARD_START", "BACKWARD_END"],
+                *["FREE", "BACKWARD_DONE"],
+            ],
             id="full_shard",
         ),
         pytest.param(
             {"reshard_blocks": False},
             ["FORWARD_START", "FORWARD_END", "BACKWARD_START", "BACKWARD_END", "FREE"],
-            ["FORWARD_START", "FORWARD_END", "BACKWARD_START", "BACKWARD_END", "FREE",
-             "BACKWARD_DONE"],
+            [
+                *["FORWARD_START", "FORWARD_END", "BACKWARD_START", "BACKWARD_END"],
+                *["FREE", "BACKWARD_DONE"],
+            ],
             id="shard_grad_op",
         ),
         pytest.param(
             {"reshard_root": True},
             ["FORWARD_START", "FORWARD_END", "FREE", "BACKWARD_START", "BACKWARD_END", "FREE"],
-            ["FORWARD_START", "FORWARD_END", "FREE", "BACKWARD_START", "BACKWARD_END", "FREE",
-             "BACKWARD_DONE"],
+            [
+                *["FORWARD_START", "FORWARD_END", "FREE", "BACKWARD_START"],
+                *["BACKWARD_END", "FREE", "BACKWARD_DONE"],
+            ],
             id="root_resharded",
         ),
     ],
-)  # fmt: skip
+)
 def test_points_of_each_unit(
     fake_pg: tuple[int, int], kwargs: dict, block_points: list[str], root_points: list[str]
 ) -> None:

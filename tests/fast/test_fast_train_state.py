@@ -45,5 +45,9 @@ def test_a_checkpoint_of_the_flat_app_still_loads() -> None:
         sys.modules[old.__name__] = saved  # what fullshard.app.train.state registered
     loop = LoopState.from_saved(pickle.loads(blob))
     assert (loop.step, loop.world_size, loop.samplers[1], loop.skipped, loop.applied) == (
-        12, 2, {"cursor": 2}, [], None,
-    )  # fmt: skip
+        12,
+        2,
+        {"cursor": 2},
+        [],
+        None,
+    )

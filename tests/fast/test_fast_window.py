@@ -115,10 +115,15 @@ def test_the_trainers_reshard_option_replaces_the_strategys(
     # fullshard train's --reshard-after-forward and --cpu-offload (fullshard.app.models.wrap): a value
     # given replaces the strategy's for the blocks; the root keeps the plan's rule (kept for
     # backward); N < the 4 ranks keeps the blocks sharded over N between forward and backward
+    from fullshard.app.config import ParallelismConfig
     from fullshard.app.models.wrap import shard_model
 
     model = ToyLM(n_blocks=N_BLOCKS)
-    shard_model(model, strategy, [Block], reshard_after_forward=raf, cpu_offload=True)
+    raf_word = None if raf is None else str(raf).lower()  # the flag's words
+    parallelism = ParallelismConfig(
+        strategy=strategy, reshard_after_forward=raf_word, cpu_offload=True
+    )
+    shard_model(model, parallelism, [Block])
     for events in toy_steps(model, 2):
         end_of_forward = events[index_of(events, "FORWARD_END", "root")]
         assert end_of_forward.gathered == ({"root", *BLOCKS} if kept else {"root"})

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from fullshard.app.errors import ConfigError
+
 __all__ = ["ParallelDims", "under_torchrun"]
 
 
@@ -78,6 +80,16 @@ class ParallelDims:
 
             return hybrid_shard_size(self.dp, self.shard_size, self.local_dp)
         return self.dp
+
+    def checked_shard_group(self) -> int:
+        """:meth:`shard_group`, its refusal an input error in the flags' words (validation
+        asks it before launch, where the ranks' engine would refuse the group)."""
+        from fullshard.policies import FullshardError
+
+        try:
+            return self.shard_group()
+        except FullshardError as exc:
+            raise ConfigError(f"--strategy {self.strategy}: {exc}") from None
 
     def mesh_shape(self) -> tuple[int, ...]:
         """``(dp,)``, or ``(replicas, shard)`` for ``no_shard`` and hybrid, with ``tp`` last

@@ -5,7 +5,7 @@
 what keeps ``fullshard.app`` free of import cycles.
 
 NOTE [Input errors on the ranks]: most bad input is refused before launch
-(``fullshard.app.commands.validate``), but some is found only on the ranks: a checkpoint file whose
+(each command's ``validate``, ``fullshard.app.commands``), but some is found only on the ranks: a checkpoint file whose
 SHA-256 does not match its manifest (each rank hashes its share), a tokenizer larger than the
 model's vocabulary. torchrun knows no exit statuses: a failed rank is its ``ChildFailedError``
 traceback and status 1. So when ``fullshard train --nproc N`` launched the ranks, a rank's
@@ -45,7 +45,7 @@ __all__ = [
 ERROR_MARKER_ENV = "FULLSHARD_ERROR_MARKER"
 
 # Set by the launcher for its ranks: the arguments they get were validated before launch, so
-# they skip ``fullshard.app.commands.validate`` (one validation pass per launch, not one per process).
+# they skip their command's validation (one validation pass per launch, not one per process).
 VALIDATED_ENV = "FULLSHARD_VALIDATED"
 
 # Set by the launcher for its ranks: the command that resumes this run (``--resume latest``, its

@@ -340,8 +340,9 @@ def _write_own(state: dict[str, Any], partial: str, rank: int) -> BaseException 
     try:
         with warnings.catch_warnings():  # no_dist's "assuming ... a single process": it is one
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.save(state, storage_writer=writer(partial, rank), planner=planner(rank),
-                     no_dist=True)  # fmt: skip
+            dcp.save(
+                state, storage_writer=writer(partial, rank), planner=planner(rank), no_dist=True
+            )
     except CheckpointException as exc:  # (no_dist wraps the writer's own error too)
         return next(iter(exc.failures.values()))[0] if exc.failures else exc
     except Exception as exc:
@@ -498,9 +499,11 @@ class CheckpointManager:
         newest = latest_checkpoint(self.root)
         ranks = [r for r, _ in failed]
         first = failed[0][1]
-        still = f"the previous checkpoint is still the latest ({newest})" if newest else (
-            "there is no complete checkpoint yet"
-        )  # fmt: skip
+        still = (
+            f"the previous checkpoint is still the latest ({newest})"
+            if newest
+            else ("there is no complete checkpoint yet")
+        )
         if any(full for _, (full, _) in failed):
             return CheckpointDiskFull(
                 f"the disk is full: saving checkpoint step {step} under {self.root} failed on "
@@ -597,8 +600,10 @@ class CheckpointManager:
 
         folder = folder or latest_checkpoint(self.root)
         if folder is None:
-            raise FullshardError(f"rank {self.rank}: cannot load checkpoint: no committed "
-                                 f"checkpoint under {self.root}.")  # fmt: skip
+            raise FullshardError(
+                f"rank {self.rank}: cannot load checkpoint: no committed "
+                f"checkpoint under {self.root}."
+            )
         world = dist.get_world_size()
         try:
             names = sorted(read_manifest(folder)["files"])[self.rank :: world]

@@ -248,10 +248,16 @@ def _issue(
         )
         if (stats.debug or first) and position is not None:
             wrote = fingerprint_check(
-                position, tensor.numel(), tensor.dtype, group, tensor.device, timeout,
-                stats.names, first=stats.check_forward if first and not stats.debug else "",
+                position,
+                tensor.numel(),
+                tensor.dtype,
+                group,
+                tensor.device,
+                timeout,
+                stats.names,
+                first=stats.check_forward if first and not stats.debug else "",
                 previous=stats.check_key,
-            )  # fmt: skip
+            )
             stats.check_key = wrote or stats.check_key
     t0 = time.perf_counter()
     work = work_fn()
@@ -343,10 +349,18 @@ def reduce_scatter(
         pending = _summed_locally(
             "reduce_scatter",
             lambda: dist.all_to_all_single(recv, full.view(-1), group=group, async_op=True),
-            full, recv.view(world, -1), out, fixed_order,
-            stats=stats, what=what, unit=unit, timeout=timeout, group=group, position=position,
+            full,
+            recv.view(world, -1),
+            out,
+            fixed_order,
+            stats=stats,
+            what=what,
+            unit=unit,
+            timeout=timeout,
+            group=group,
+            position=position,
             interrupt=interrupt,
-        )  # fmt: skip
+        )
         if gloo:  # the tags are compared per rank on the host (NCCL: from the sums, on device)
             pending.rows = recv.view(world, -1)
         return pending
@@ -413,10 +427,18 @@ def all_reduce_fixed_order(
     return _summed_locally(
         "all_reduce",
         lambda: _all_gather_single(recv, flat, group=group, async_op=True),
-        tensor, recv.view(world, -1), flat, True,
-        stats=stats, what=what, unit=unit, timeout=timeout, group=group, position=None,
+        tensor,
+        recv.view(world, -1),
+        flat,
+        True,
+        stats=stats,
+        what=what,
+        unit=unit,
+        timeout=timeout,
+        group=group,
+        position=None,
         interrupt=interrupt,
-    )  # fmt: skip
+    )
 
 
 def _summed_locally(
@@ -432,9 +454,14 @@ def _summed_locally(
     ``rows``; when it is waited for, the blocks are summed into ``out``: in rank order, or in
     NOTE [Sums in a fixed order]'s tree (``tree``)."""
     pending = _issue(
-        kind, work_fn, send, send.numel() * send.element_size(), reads=[send], writes=[rows],
+        kind,
+        work_fn,
+        send,
+        send.numel() * send.element_size(),
+        reads=[send],
+        writes=[rows],
         **bound,
-    )  # fmt: skip
+    )
 
     def local_sum() -> None:
         if tree:
@@ -639,9 +666,16 @@ class Comm:
         work_fn = lambda: custom(out, send, self.group, async_op=True)  # noqa: E731
         nbytes = out.numel() * out.element_size()
         return _issue(
-            "all_gather", work_fn, out, nbytes, group=self.group, position=pos,
-            reads=[send], writes=[out], **self._bound(what),
-        )  # fmt: skip
+            "all_gather",
+            work_fn,
+            out,
+            nbytes,
+            group=self.group,
+            position=pos,
+            reads=[send],
+            writes=[out],
+            **self._bound(what),
+        )
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, pos: Position) -> Pending:
         what = f"reduce-scatter of unit '{self.unit}'"
@@ -658,23 +692,37 @@ class Comm:
                 nbytes = full.numel() * full.element_size()
                 return self._issued("reduce_scatter", work, nbytes, what, pos, group, host_wait)
             return reduce_scatter(
-                out, full, group, position=pos, fixed_order=self.fixed_order,
+                out,
+                full,
+                group,
+                position=pos,
+                fixed_order=self.fixed_order,
                 **self._bound(what),
-            )  # fmt: skip
+            )
         op = dist.ReduceOp.SUM
         work_fn = lambda: custom(out, full.view(-1), group, op, async_op=True)  # noqa: E731
         nbytes = full.numel() * full.element_size()
         return _issue(
-            "reduce_scatter", work_fn, full, nbytes, group=group, position=pos,
-            reads=[full], writes=[out], **self._bound(what),
-        )  # fmt: skip
+            "reduce_scatter",
+            work_fn,
+            full,
+            nbytes,
+            group=group,
+            position=pos,
+            reads=[full],
+            writes=[out],
+            **self._bound(what),
+        )
 
     def _bound(self, what: str) -> dict[str, Any]:
         """The keyword arguments every collective of this unit passes."""
         return {
-            "what": what, "timeout": self.timeout, "stats": self.stats, "unit": self.unit,
+            "what": what,
+            "timeout": self.timeout,
+            "stats": self.stats,
+            "unit": self.unit,
             "interrupt": self.interrupt,
-        }  # fmt: skip
+        }
 
     def all_reduce_replicas(self, tensor: torch.Tensor) -> Pending:
         """HSDP: the sum of a gradient shard over the replicas that hold the same shard."""

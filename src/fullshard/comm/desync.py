@@ -583,9 +583,12 @@ def fingerprint_check(
 
 
 def _fingerprint_error(
-    rows: torch.Tensor, group: dist.ProcessGroup | None, world: int, names: dict[int, str],
+    rows: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    world: int,
+    names: dict[int, str],
     first: bool,
-) -> NoReturn:  # fmt: skip
+) -> NoReturn:
     lines = []
     for r, row in zip(_ranks(group, world), rows.tolist(), strict=True):
         kind = KINDS[row[1]] if 0 <= row[1] < len(KINDS) else "?"

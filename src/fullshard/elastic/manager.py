@@ -129,9 +129,14 @@ def abort_groups() -> None:
         _ABANDONED.extend(groups)
         c10d._update_default_pg(None)
         for name in (
-            "pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
-            "tags_to_pg", "pg_coalesce_state",
-        ):  # fmt: skip
+            "pg_map",
+            "pg_names",
+            "pg_group_ranks",
+            "pg_backend_config",
+            "pg_to_tag",
+            "tags_to_pg",
+            "pg_coalesce_state",
+        ):
             table = getattr(c10d._world, name, None)
             if table is not None:
                 table.clear()
@@ -377,9 +382,15 @@ class Manager:
             host, port = self.address
             on_change = self._abort_device_groups if self.backend == "nccl" else None
             self._watcher = Watcher(
-                host, port, self.member, lambda: self.generation, on_change,
-                progress=lambda: self.progress, neighbour=self._neighbour, members=self._members,
-            )  # fmt: skip
+                host,
+                port,
+                self.member,
+                lambda: self.generation,
+                on_change,
+                progress=lambda: self.progress,
+                neighbour=self._neighbour,
+                members=self._members,
+            )
 
     def _watch(self) -> None:
         """Give this generation's groups a way out of their waits that fires once the watcher
@@ -503,8 +514,15 @@ class Manager:
         m = self.membership
         assert m is not None, "join() first"
         info = {"held": self.copies.held(), "error": _why(error), "failed_at": self._failed_at}
-        settle = Settle(self.jobs, self.member, target, m.members, self.timeout_s, self.accepts,
-                        self._check_abort)  # fmt: skip
+        settle = Settle(
+            self.jobs,
+            self.member,
+            target,
+            m.members,
+            self.timeout_s,
+            self.accepts,
+            self._check_abort,
+        )
         return settle.run(info, _why(error))
 
     def _admit(self) -> None:
@@ -530,9 +548,14 @@ class Manager:
         return self.layout(m.world)
 
     def snapshot(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
-        *, restored: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: dict,
+        *,
+        restored: bool = False,
+    ) -> None:
         """The step boundary after ``step`` steps (call on every rank before the step's first
         collective): send the previous boundary's copy to the ring neighbour, and copy this
         one's shards to the host. On rank 0 it may then raise :class:`Regroup` to admit
@@ -562,9 +585,14 @@ class Manager:
             self._order_updates(optimizer)
         # the membership history travels with the state: a new rank 0 reports it all
         pieces, event, flat = pieces_of(
-            model_sd, optim_sd, {**state, MEMBERSHIP: self.changes}, self.device, stream,
-            self.copies.boxes, spare=None if restored else self.copies.spare(),
-        )  # fmt: skip
+            model_sd,
+            optim_sd,
+            {**state, MEMBERSHIP: self.changes},
+            self.device,
+            stream,
+            self.copies.boxes,
+            spare=None if restored else self.copies.spare(),
+        )
         if event is not None and not built_now:
             self._order_gathers(model, event)
         elif event is not None:  # a model built for this generation: its first forward's lazy

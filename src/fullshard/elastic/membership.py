@@ -202,9 +202,13 @@ def after_loss(
     starts = [r["failed_at"] for r in ready.values() if r.get("failed_at")]
     starts += [exits[x]["at"] for x in old if x in exits]
     return {
-        "members": d.members, "lost": d.lost, "joined": d.joined, "left": d.left,
-        "dead_at": min(starts, default=time.time()), "reason": "loss",
-    }  # fmt: skip
+        "members": d.members,
+        "lost": d.lost,
+        "joined": d.joined,
+        "left": d.left,
+        "dead_at": min(starts, default=time.time()),
+        "reason": "loss",
+    }
 
 
 def admission(
@@ -218,10 +222,13 @@ def admission(
         return None
     admitted = [j.member for j in waiting[: fits[0]]]
     return {
-        "members": members + admitted, "lost": [], "left": [],
-        "joined": list(range(world, world + len(admitted))), "dead_at": time.time(),
+        "members": members + admitted,
+        "lost": [],
+        "left": [],
+        "joined": list(range(world, world + len(admitted))),
+        "dead_at": time.time(),
         "reason": "join",
-    }  # fmt: skip
+    }
 
 
 def _key(*parts: object) -> str:

@@ -373,10 +373,14 @@ def choose_boundary(
     every participant's copy is every rank's, and the lowest participant's is chosen.
     """
     boundaries = sorted(
-        {(s, int(k.split(":")[0])) for h in held.values() for kind in ("own", "copy")
-         for s, k in h[kind].items()},
+        {
+            (s, int(k.split(":")[0]))
+            for h in held.values()
+            for kind in ("own", "copy")
+            for s, k in h[kind].items()
+        },
         reverse=True,
-    )  # fmt: skip
+    )
     for step, gen in boundaries:
         providers: dict[str, int] = {}
         for kind in ("own", "copy"):

@@ -228,9 +228,13 @@ def _placed(local: torch.Tensor, like: Any) -> Any:
 
     local = local.to(like.to_local().device)
     return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
         stride=like.stride(),
-    )  # fmt: skip
+    )
 
 
 def restore_boundary(

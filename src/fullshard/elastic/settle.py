@@ -139,9 +139,11 @@ class Settle:
             return True
         if late and (unsettled or waiting_for):
             ranks = [old.index(x) for x in unsettled]
-            what = f"rank(s) {ranks} neither checked in nor died" if unsettled else (
-                f"the replacement(s) {sorted(waiting_for)} never asked to join"
-            )  # fmt: skip
+            what = (
+                f"rank(s) {ranks} neither checked in nor died"
+                if unsettled
+                else (f"the replacement(s) {sorted(waiting_for)} never asked to join")
+            )
             raise Lost(f"{error}, and {what} within {self.timeout_s:.0f} s (stuck?)")
         return False
 

@@ -84,8 +84,11 @@ def _why(error: BaseException) -> str:
 def _end_fenced(member: int, why: str) -> None:
     """The default for a fenced member: say so, and end the process at once (its main thread
     may be stuck where no exception reaches it)."""
-    print(f"fullshard: member {member} was fenced ({why}); this process ends", file=sys.stderr,
-          flush=True)  # fmt: skip
+    print(
+        f"fullshard: member {member} was fenced ({why}); this process ends",
+        file=sys.stderr,
+        flush=True,
+    )
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -124,7 +127,8 @@ class Watcher:
         self.recovering_to = -1  # the newest generation some rank has checked in for
         self.joins = 0  # join requests seen
         self.gone: set[int] = set()  # members reported exited or suspected
-        self.store_lost: str | None = None  # why the store stopped answering (NOTE [Losing...])
+        # why the store stopped answering (NOTE [Losing the store])
+        self.store_lost: str | None = None
         self._client = (host, port)
         self._given = store
         self._stop = threading.Event()
@@ -135,8 +139,9 @@ class Watcher:
     def _run(self) -> None:
         host, port = self._client
         try:
-            store = self._given or dist.TCPStore(host, port, is_master=False,
-                                                 wait_for_workers=False)  # fmt: skip
+            store = self._given or dist.TCPStore(
+                host, port, is_master=False, wait_for_workers=False
+            )
         except dist.DistError as exc:
             self.store_lost = _why(exc)
             return

@@ -217,18 +217,26 @@ class Exchange:
         """(rank, owned matrix) -> the flat indices of that rank's piece, for the layouts that
         are not blocks: every rank computes its own, and they travel to the owners once."""
         world, me = self.world, self.rank
-        todo = [[every[r][i][4] is None and every[r][i][2] > 0 for i in range(len(params))]
-                for r in range(world)]  # fmt: skip
+        todo = [
+            [every[r][i][4] is None and every[r][i][2] > 0 for i in range(len(params))]
+            for r in range(world)
+        ]
         if not any(any(t) for t in todo):
             return {}
-        out = [(self.owner[i], i) for i in sorted(strided, key=lambda i: (self.owner[i], i))
-               if todo[me][i]]  # fmt: skip
+        out = [
+            (self.owner[i], i)
+            for i in sorted(strided, key=lambda i: (self.owner[i], i))
+            if todo[me][i]
+        ]
         into = [(r, i) for r in range(world) for i in self.owned if todo[r][i]]
         got = self._route(
-            [_strided_index(params[i]) for _, i in out], out, into,
-            [every[r][i][2] for r, i in into], torch.int64,
+            [_strided_index(params[i]) for _, i in out],
+            out,
+            into,
+            [every[r][i][2] for r, i in into],
+            torch.int64,
             "the flat indices of strided pieces",
-        )  # fmt: skip
+        )
         return dict(zip(into, got, strict=True))
 
     def _route(
@@ -256,9 +264,14 @@ class Exchange:
             recv.copy_(send)
         else:
             all_to_all(
-                recv, send, recv_splits, send_splits, self.group,
-                what=f"all-to-all of {what} (whole-matrix optimizer)", timeout=default_timeout(),
-            ).wait()  # fmt: skip
+                recv,
+                send,
+                recv_splits,
+                send_splits,
+                self.group,
+                what=f"all-to-all of {what} (whole-matrix optimizer)",
+                timeout=default_timeout(),
+            ).wait()
         return list(recv.split(sizes))
 
     def sent(self) -> tuple[int, int]:

@@ -174,9 +174,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         matrices = [
-            (g, p) for g in self.param_groups if g[self.flag] for p in g["params"]
+            (g, p)
+            for g in self.param_groups
+            if g[self.flag]
+            for p in g["params"]
             if p.grad is not None
-        ]  # fmt: skip
+        ]
         inputs = [self.rows(g, p, local_of(p.grad)) for g, p in matrices]
         results = self._whole_results(matrices, inputs)
         for (g, p), result in zip(matrices, results, strict=True):

@@ -62,8 +62,11 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: str | None = None,
     ) -> None:
         # torch.optim.Muon's checks and messages
-        for what, value in (("Learning rate", lr), ("momentum", momentum),
-                            ("weight decay", weight_decay)):  # fmt: skip
+        for what, value in (
+            ("Learning rate", lr),
+            ("momentum", momentum),
+            ("weight decay", weight_decay),
+        ):
             if not value >= 0.0:
                 raise ValueError(f"{what} should be >= 0 but is: {value}")
         if adjust_lr_fn is not None and adjust_lr_fn not in ("original", "match_rms_adamw"):

@@ -8,7 +8,7 @@ the step time (:func:`step_time`). The report and the
 run against the plan) in ``fullshard.app.commands.plan_check``.
 """
 
-# Names load on first use (PEP 562), like ``fullshard`` itself: ``import fullshard.plan.accounting``
+# Names load on first use (PEP 562), like ``fullshard`` itself: ``import fullshard.plan.config``
 # (the launcher's plan validation) need not import ``plan.model`` and the engine modules it uses.
 
 from __future__ import annotations
@@ -18,16 +18,9 @@ from typing import TYPE_CHECKING
 from fullshard._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the real imports, for type checkers and IDEs
-    from fullshard.plan.accounting import (
-        GB,
-        Plan,
-        PlanConfig,
-        Recommendation,
-        UnitCost,
-        build_plan,
-        fmt_bytes,
-    )
+    from fullshard.plan.accounting import Plan, Recommendation, build_plan, fmt_bytes
     from fullshard.plan.analytic import plan_analytic
+    from fullshard.plan.config import GB, PlanConfig, UnitCost
     from fullshard.plan.hardware import PRESETS, Efficiency, Hardware, load_hardware
     from fullshard.plan.model import LossStep, measure_activations, model_units, plan_model
     from fullshard.plan.recommendation import recommend
@@ -61,17 +54,9 @@ __all__ = [
 # public name -> the module that defines it (the TYPE_CHECKING imports above, as data)
 _SOURCES = {
     **dict.fromkeys(
-        [
-            "GB",
-            "Plan",
-            "PlanConfig",
-            "Recommendation",
-            "UnitCost",
-            "build_plan",
-            "fmt_bytes",
-        ],
-        "fullshard.plan.accounting",
+        ["Plan", "Recommendation", "build_plan", "fmt_bytes"], "fullshard.plan.accounting"
     ),
+    **dict.fromkeys(["GB", "PlanConfig", "UnitCost"], "fullshard.plan.config"),
     "plan_analytic": "fullshard.plan.analytic",
     **dict.fromkeys(
         ["PRESETS", "Efficiency", "Hardware", "load_hardware"], "fullshard.plan.hardware"

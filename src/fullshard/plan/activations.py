@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fullshard.plan.accounting import DTYPE_BYTES, PlanConfig
+from fullshard.plan.config import DTYPE_BYTES, PlanConfig
 from fullshard.plan.transformer import TransformerShape
 
 __all__ = ["UnitActivations", "analytic_activations", "device_tokens", "with_loss_peaks"]

@@ -5,14 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from fullshard.plan.accounting import (
-    DTYPE_BYTES,
-    Plan,
-    PlanConfig,
-    UnitCost,
-    build_plan,
-    korthikanti_activation_bytes,
-)
+from fullshard.plan.accounting import Plan, build_plan, korthikanti_activation_bytes
+from fullshard.plan.config import DTYPE_BYTES, PlanConfig, UnitCost
 from fullshard.plan.steptime import step_time
 from fullshard.plan.transformer import TransformerShape
 

@@ -167,7 +167,7 @@ PRESETS: dict[str, Hardware] = {
             "fp16": 989.4 * _T,
             "fp8": 1978.9 * _T,
             "fp32": 494.7 * _T,
-        },  # fp32 matmuls run as TF32 (torch's default on CUDA: high) # fmt: skip
+        },  # fp32 matmuls run as TF32 (torch's default on CUDA: high)
         memory_bandwidth=3.35e12,
         intra_node_bandwidth=450 * _GBPS,
         inter_node_bandwidth=50 * _GBPS,
@@ -202,7 +202,7 @@ PRESETS: dict[str, Hardware] = {
             "fp16": 989.4 * _T,
             "fp8": 1978.9 * _T,
             "fp32": 494.7 * _T,
-        },  # fmt: skip
+        },
         memory_bandwidth=4.8e12,
         intra_node_bandwidth=450 * _GBPS,
         inter_node_bandwidth=50 * _GBPS,

@@ -24,15 +24,9 @@ from torch import nn
 
 from fullshard.engine.sharding import UnitPlan, plan_sharding
 from fullshard.engine.unit_parts import unit_layout
-from fullshard.plan.accounting import (
-    DTYPE_BYTES,
-    Plan,
-    PlanConfig,
-    UnitCost,
-    build_plan,
-    korthikanti_activation_bytes,
-)
+from fullshard.plan.accounting import Plan, build_plan, korthikanti_activation_bytes
 from fullshard.plan.activations import UnitActivations, analytic_activations, with_loss_peaks
+from fullshard.plan.config import DTYPE_BYTES, PlanConfig, UnitCost
 from fullshard.plan.pipeline import inflight, stage_units
 from fullshard.plan.recommendation import recommend
 from fullshard.plan.steptime import step_time
@@ -80,8 +74,10 @@ def model_units(
     for i, unit in enumerate(_units(model, unit_types)):
         params = [model.get_parameter(n) for n in unit.params]
         local = local_shapes or {}
-        shapes = [local.get(n, p.shape) if p.dim() else torch.Size([1])
-                  for n, p in zip(unit.params, params, strict=True)]  # fmt: skip
+        shapes = [
+            local.get(n, p.shape) if p.dim() else torch.Size([1])
+            for n, p in zip(unit.params, params, strict=True)
+        ]
         trainable = [s for s, p in zip(shapes, params, strict=True) if p.requires_grad]
         # the engine's own layout of a unit (whatever its shard carries besides the rows)
         dims = [(shard_dims or {}).get(n, 0) for n in unit.params]
@@ -89,8 +85,11 @@ def model_units(
         layout = unit_layout(shapes, shard_group, dims)
         grad_layout = FlatLayout(trainable, shard_group, dims=grads)
         acts = (activations or {}).get(i, UnitActivations(0.0))
-        fp8 = 0 if unit.is_root else sum(s.numel() for n, s in zip(unit.params, shapes, strict=True)
-                                         if n in linear)  # fmt: skip
+        fp8 = (
+            0
+            if unit.is_root
+            else sum(s.numel() for n, s in zip(unit.params, shapes, strict=True) if n in linear)
+        )
         out.append(
             UnitCost(
                 name=unit.name or "root",
@@ -248,13 +247,16 @@ def _activations(
         except Exception as exc:  # any model whose forward fake tensors cannot run
             why = f"the fake-tensor forward failed: {exc}"
         else:
-            notes.append("activations: saved tensors of one forward + loss, measured on fake "
-                         "tensors (selective checkpointing: per token from the model's shape)")  # fmt: skip
+            notes.append(
+                "activations: saved tensors of one forward + loss, measured on fake "
+                "tensors (selective checkpointing: per token from the model's shape)"
+            )
             acts = {
-                i: UnitActivations(a, inp, tail, loss,
-                                   selective=analytic[i].selective if analytic else 0.0)
+                i: UnitActivations(
+                    a, inp, tail, loss, selective=analytic[i].selective if analytic else 0.0
+                )
                 for i, (a, inp, tail, loss) in raw.items()
-            }  # fmt: skip
+            }
             acts[0] = with_loss_peaks(acts[0], config, vocab)
             return acts
     if analytic is not None:
@@ -299,8 +301,15 @@ def plan_model(
         raise ValueError(f"world size must be at least 1, got {world_size}")
     notes: list[str] = []
     tshape = shape_of(model, vocab)
-    acts = _activations(model, unit_types, loss_step, config, tshape,
-                        vocab or (tshape.vocab if tshape else None), notes)  # fmt: skip
+    acts = _activations(
+        model,
+        unit_types,
+        loss_step,
+        config,
+        tshape,
+        vocab or (tshape.vocab if tshape else None),
+        notes,
+    )
     if config.tp > 1:
         notes.append(
             f"tensor parallel over {config.tp} devices: split matrices count 1/{config.tp} per "
@@ -317,8 +326,16 @@ def plan_model(
         units = model_units(model, unit_types, group, acts, local_shapes)
         if cfg.pp > 1:
             return _pipeline_plan(units, world_size, cfg, tshape, label, shape, notes)
-        plan = build_plan(units, world_size, cfg, mode="model", model=label, shape=shape,
-                          notes=notes, cp_bytes=_cp_bytes(cfg, tshape))  # fmt: skip
+        plan = build_plan(
+            units,
+            world_size,
+            cfg,
+            mode="model",
+            model=label,
+            shape=shape,
+            notes=notes,
+            cp_bytes=_cp_bytes(cfg, tshape),
+        )
         if cfg.hardware is not None and tshape is not None:
             plan.step = step_time(tshape, units, world_size, cfg, cfg.hardware)
         return plan
@@ -351,12 +368,21 @@ def _pipeline_plan(
     plans = []
     for rank in sorted({0, cfg.pp - 1}):
         stage = stage_units(units, cfg, rank, shape)
-        plan = build_plan(stage, world_size, cfg, mode="model", model=label, shape=shape_label,
-                          notes=[*notes, f"pipeline rank {rank} of {cfg.pp}"],
-                          inflight=inflight(cfg, rank), cp_bytes=_cp_bytes(cfg, shape))  # fmt: skip
+        plan = build_plan(
+            stage,
+            world_size,
+            cfg,
+            mode="model",
+            model=label,
+            shape=shape_label,
+            notes=[*notes, f"pipeline rank {rank} of {cfg.pp}"],
+            inflight=inflight(cfg, rank),
+            cp_bytes=_cp_bytes(cfg, shape),
+        )
         if cfg.hardware is not None and shape is not None:
-            plan.step = step_time(shape, stage, world_size, cfg, cfg.hardware,
-                                  head=rank == cfg.pp - 1)  # fmt: skip
+            plan.step = step_time(
+                shape, stage, world_size, cfg, cfg.hardware, head=rank == cfg.pp - 1
+            )
         plans.append(plan)
     worst = max(plans, key=lambda p: p.peak_bytes)
     timed = [p.step for p in plans if p.step is not None]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fullshard.plan.accounting import PlanConfig, UnitCost
+from fullshard.plan.config import PlanConfig, UnitCost
 from fullshard.plan.transformer import TransformerShape
 
 __all__ = ["inflight", "split_layers", "stage_units"]
@@ -70,8 +70,14 @@ def stage_units(
         )
         if keep_loss:
             return scaled
-        return replace(scaled, act_bytes=r.act_bytes - r.tail_bytes, tail_bytes=0.0,
-                       loss_bytes=0.0, loss_forward_extra=0.0, loss_backward_extra=0.0)  # fmt: skip
+        return replace(
+            scaled,
+            act_bytes=r.act_bytes - r.tail_bytes,
+            tail_bytes=0.0,
+            loss_bytes=0.0,
+            loss_forward_extra=0.0,
+            loss_backward_extra=0.0,
+        )
 
     first, last = rank == 0, rank == pp - 1  # the first stage is rank 0's, the last rank pp-1's
     if first and last:  # one stage only (pp == 1 is not planned here)

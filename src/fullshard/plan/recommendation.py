@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from fullshard.plan.accounting import Plan, PlanConfig, Recommendation, fmt_bytes
+from fullshard.plan.accounting import Plan, Recommendation, fmt_bytes
+from fullshard.plan.config import PlanConfig
 
 __all__ = ["describe", "recommend"]
 
@@ -54,8 +55,14 @@ def describe(cfg: PlanConfig) -> str:
     """A configuration in words, e.g. ``hybrid_shard (groups of 8) + full checkpointing``."""
     text = cfg.strategy + (f" (groups of {cfg.hybrid_group})" if cfg.hybrid_group else "")
     policy = cfg.checkpointing
-    extras = [x for x, on in ((f"{policy} activation checkpointing", policy != "none"),
-                              ("CPU offload", cfg.offload)) if on]  # fmt: skip
+    extras = [
+        x
+        for x, on in (
+            (f"{policy} activation checkpointing", policy != "none"),
+            ("CPU offload", cfg.offload),
+        )
+        if on
+    ]
     return text + "".join(f" + {x}" for x in extras)
 
 
@@ -78,13 +85,23 @@ def recommend(
     tried: list[tuple[PlanConfig, Plan]] = []
     for policy in POLICY_ORDER:
         for strategy, group in _candidates(dp_world, dp_per_node):
-            cfg = replace(config, strategy=strategy, hybrid_group=group,
-                          activation_checkpointing=policy, offload=False)  # fmt: skip
+            cfg = replace(
+                config,
+                strategy=strategy,
+                hybrid_group=group,
+                activation_checkpointing=policy,
+                offload=False,
+            )
             tried.append((cfg, evaluate(cfg)))
     fitting = [(c, p) for c, p in tried if p.fits is not False]
     if not fitting:  # offload last: host-device copies every step
-        cfg = replace(config, strategy="full_shard", hybrid_group=None,
-                      activation_checkpointing="full", offload=True)  # fmt: skip
+        cfg = replace(
+            config,
+            strategy="full_shard",
+            hybrid_group=None,
+            activation_checkpointing="full",
+            offload=True,
+        )
         plan = evaluate(cfg)
         tried.append((cfg, plan))
         fitting = [(cfg, plan)] if plan.fits is not False else []
@@ -96,8 +113,15 @@ def recommend(
             f"{fmt_bytes(plan.window_backward)} + activations). Reduce --batch / --seq or use "
             "tensor parallelism."
         )
-        return Recommendation(cfg.strategy, cfg.hybrid_group, cfg.checkpointing, cfg.offload,
-                              False, plan.peak_bytes, why)  # fmt: skip
+        return Recommendation(
+            cfg.strategy,
+            cfg.hybrid_group,
+            cfg.checkpointing,
+            cfg.offload,
+            False,
+            plan.peak_bytes,
+            why,
+        )
     timed = all(p.step is not None for _, p in fitting)
     # the fastest; among equals, the earlier (less communication, less recompute)
     best = max(fitting, key=lambda cp: _tps(cp[1])) if timed else fitting[0]
@@ -114,8 +138,11 @@ def recommend(
             + "; ".join(f"{describe(c)}{_speed(p)}" for c, p in others)
             + "."
         )
-    rejected = [f"{describe(c)} needs {fmt_bytes(p.peak_reserved_bytes)}"
-                for c, p in tried if p.fits is False][:3]  # fmt: skip
+    rejected = [
+        f"{describe(c)} needs {fmt_bytes(p.peak_reserved_bytes)}"
+        for c, p in tried
+        if p.fits is False
+    ][:3]
     if rejected:
         why += " Do not fit: " + "; ".join(rejected) + "."
     if cfg.offload:

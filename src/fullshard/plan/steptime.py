@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fullshard.plan.accounting import DTYPE_BYTES, MASTER_BYTES, PlanConfig, UnitCost
+from fullshard.plan.config import DTYPE_BYTES, MASTER_BYTES, PlanConfig, UnitCost
 from fullshard.plan.hardware import Hardware
 from fullshard.plan.transformer import TransformerShape
 
@@ -144,8 +144,9 @@ def _block_passes(shape: TransformerShape, cfg: PlanConfig) -> dict[str, _Pass]:
     }
 
 
-def _tp_seconds(shape: TransformerShape, cfg: PlanConfig, hw: Hardware, tokens: float,
-                pass_: str) -> tuple[float, float]:  # fmt: skip
+def _tp_seconds(
+    shape: TransformerShape, cfg: PlanConfig, hw: Hardware, tokens: float, pass_: str
+) -> tuple[float, float]:
     """One block's sequence-parallel collectives in one pass, ``(all-gathers, reduce-
     scatters)`` in seconds: 2 all-gathers (before attention and the MLP) and 2 reduce-scatters
     (after them); forward's all-gathers send float8 under --float8. Recomputation repeats
@@ -160,8 +161,9 @@ def _tp_seconds(shape: TransformerShape, cfg: PlanConfig, hw: Hardware, tokens: 
     )
 
 
-def _cp_seconds(shape: TransformerShape, cfg: PlanConfig, hw: Hardware, tokens: float,
-                pass_: str) -> float:  # fmt: skip
+def _cp_seconds(
+    shape: TransformerShape, cfg: PlanConfig, hw: Hardware, tokens: float, pass_: str
+) -> float:
     """One block's context-parallel exchange in one pass: k and v of the whole sequence
     (repeated to every head, as SDPA gets them) all-gathered, and in backward their fp32
     gradients reduce-scattered."""
@@ -325,8 +327,10 @@ def step_time(
         step += bubble_s + exposed["pp_p2p"]
     device, tp_cp, _ = work
     exposed["tp_cp"] = sum(tp_cp.values()) * len(blocks) * micro
-    compute = {k: sum(device[p][k] for p in device) * len(blocks) * micro
-               for k in ("matmul", "attention", "memory")}  # fmt: skip
+    compute = {
+        k: sum(device[p][k] for p in device) * len(blocks) * micro
+        for k in ("matmul", "attention", "memory")
+    }
     compute["matmul"] += head_s * micro
     compute["memory"] += (loss_s + embed_s) * micro
     tps = cfg.batch * cfg.seq / (cfg.tp * cfg.pp * cfg.cp) / step

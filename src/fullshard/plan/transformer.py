@@ -99,8 +99,11 @@ class TransformerShape:
         (row-parallel: split by input under tensor parallel, its output summed)."""
         h, q, kv, f = self.hidden, self.q_dim, self.kv_dim, self.ffn
         attn = [(h, q, False), (h, kv, False), (h, kv, False), (q, h, True)]
-        mlp = [(h, f, False), (h, f, False), (f, h, True)] if self.gated else [(h, f, False),
-                                                                                (f, h, True)]  # fmt: skip
+        mlp = (
+            [(h, f, False), (h, f, False), (f, h, True)]
+            if self.gated
+            else [(h, f, False), (f, h, True)]
+        )
         return attn + mlp
 
     def block_params(self) -> int:

@@ -30,14 +30,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from fullshard.testing._emulation_core import Emulation
+DEVICE = "device"  # what a device storage is (``_emulation_core`` marks storages with it)
 
-DEVICE = "device"  # the same string as _emulation_core.DEVICE (no import: a cycle)
+
+class Emulated(Protocol):
+    """What a contract reads of the emulation (``_emulation_core.Emulation``): where a tensor
+    lives, and the ``same_bits()`` blocks open. A protocol, so that the machinery imports the
+    contracts and not the other way round."""
+
+    same_bits: list[str]
+
+    def kind(self, t: torch.Tensor) -> str: ...
+
 
 _FILLS: Counter[str] = Counter()  # call site -> bytes torch filled
 
@@ -66,7 +74,7 @@ def _dtype(t: torch.Tensor) -> str:
 _C10 = {torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}
 
 
-def _fused(emu: Emulation, op: str, a: dict[str, Any], lists: tuple[str, ...], src: str) -> None:
+def _fused(emu: Emulated, op: str, a: dict[str, Any], lists: tuple[str, ...], src: str) -> None:
     params = a["self"]
     if not params:
         return
@@ -127,19 +135,19 @@ def _fused(emu: Emulation, op: str, a: dict[str, Any], lists: tuple[str, ...], s
             )
 
 
-def _fused_adam(emu: Emulation, op: str, a: dict[str, Any]) -> None:
+def _fused_adam(emu: Emulated, op: str, a: dict[str, Any]) -> None:
     lists: tuple[str, ...] = ("self", "grads", "exp_avgs", "exp_avg_sqs")
     if a.get("amsgrad"):
         lists += ("max_exp_avg_sqs",)
     _fused(emu, op, a, lists, "FusedAdamWKernel.cu / FusedAdamKernel.cu")
 
 
-def _fused_sgd(emu: Emulation, op: str, a: dict[str, Any]) -> None:
+def _fused_sgd(emu: Emulated, op: str, a: dict[str, Any]) -> None:
     _fused(emu, op, a, ("self", "grads", "momentum_buffer_list"), "FusedSgdKernel.cu")
 
 
 def _one_float_on_device(
-    emu: Emulation, op: str, a: dict[str, Any], names: tuple[str, ...], dtype: torch.dtype
+    emu: Emulated, op: str, a: dict[str, Any], names: tuple[str, ...], dtype: torch.dtype
 ) -> None:
     for name in names:
         t = a[name]
@@ -155,7 +163,7 @@ def _one_float_on_device(
             )
 
 
-def _unscale(emu: Emulation, op: str, a: dict[str, Any]) -> None:
+def _unscale(emu: Emulated, op: str, a: dict[str, Any]) -> None:
     grads = a["self"]
     if not grads:
         return
@@ -169,12 +177,12 @@ def _unscale(emu: Emulation, op: str, a: dict[str, Any]) -> None:
         )
 
 
-def _update_scale(emu: Emulation, op: str, a: dict[str, Any]) -> None:
+def _update_scale(emu: Emulated, op: str, a: dict[str, Any]) -> None:
     _one_float_on_device(emu, op, a, ("self", "found_inf"), torch.float32)
     _one_float_on_device(emu, op, a, ("growth_tracker",), torch.int32)
 
 
-def _foreach(emu: Emulation, op: str, a: dict[str, Any]) -> None:
+def _foreach(emu: Emulated, op: str, a: dict[str, Any]) -> None:
     lists = [v for v in a.values() if isinstance(v, (list, tuple)) and v]
     tensors = [t for v in lists for t in v if isinstance(t, torch.Tensor)]
     kinds = {emu.kind(t) == DEVICE for t in tensors}
@@ -213,14 +221,34 @@ def _foreach(emu: Emulation, op: str, a: dict[str, Any]) -> None:
 
 _REDUCTIONS = frozenset(
     {
-        "sum", "nansum", "mean", "prod", "norm", "linalg_vector_norm", "_foreach_norm", "var",
-        "std", "var_mean", "std_mean", "cumsum", "cumprod", "logsumexp", "dot", "mv", "mm",
-        "addmm", "bmm", "baddbmm", "matmul", "_softmax", "_log_softmax",
+        "sum",
+        "nansum",
+        "mean",
+        "prod",
+        "norm",
+        "linalg_vector_norm",
+        "_foreach_norm",
+        "var",
+        "std",
+        "var_mean",
+        "std_mean",
+        "cumsum",
+        "cumprod",
+        "logsumexp",
+        "dot",
+        "mv",
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "matmul",
+        "_softmax",
+        "_log_softmax",
     }
-)  # fmt: skip
+)
 
 
-_RULES: dict[str, Callable[[Emulation, str, dict[str, Any]], None]] = {
+_RULES: dict[str, Callable[[Emulated, str, dict[str, Any]], None]] = {
     "_fused_adam_": _fused_adam,
     "_fused_adamw_": _fused_adam,
     "_fused_sgd_": _fused_sgd,
@@ -229,7 +257,7 @@ _RULES: dict[str, Callable[[Emulation, str, dict[str, Any]], None]] = {
 }
 
 
-def check(emu: Emulation, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def check(emu: Emulated, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise ``KernelContractError`` where the CUDA kernel of ``func`` would refuse (or misread)
     these arguments (NOTE [Kernel contracts])."""
     name = func._schema.name.split("::")[-1]
@@ -252,7 +280,7 @@ def check(emu: Emulation, func: Any, args: tuple[Any, ...], kwargs: dict[str, An
             )
 
 
-def check_collective(emu: Emulation, name: str, tensors: list[torch.Tensor]) -> None:
+def check_collective(emu: Emulated, name: str, tensors: list[torch.Tensor]) -> None:
     """NCCL's own checks on the tensors of collective ``name`` (all-device emulation only:
     elsewhere unmarked tensors are the test's host tensors)."""
     for t in tensors:

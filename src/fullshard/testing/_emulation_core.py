@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fullshard.testing import _emulation_contracts as contracts
 
 HOST = 0  # the host's timeline
-DEVICE, HOST_MEMORY, PINNED = "device", "host", "pinned"  # what a storage is
+DEVICE = contracts.DEVICE  # what a storage is: device memory, host memory, pinned host memory
+HOST_MEMORY, PINNED = "host", "pinned"
 
 aten = torch.ops.aten
 _FACTORY = re.compile(r"(new_.*|.*_like)$")  # their tensor inputs give only metadata

@@ -25,8 +25,9 @@ Each step reports its *issue time* next to its step time (NOTE [Issue time] in
 :mod:`fullshard.app.commands.bench_variants`): on CUDA a step ends with a device synchronisation, and the
 issue time is taken just before it.
 
-``main_bench`` (outside torchrun) runs the launches and writes the report (see
-:mod:`fullshard.app.commands.bench_report`); ``run_bench_rank`` is one rank's body.
+:func:`run` validates the options (:func:`validate`) and makes the launches (``main_bench``),
+then writes the report (see :mod:`fullshard.app.commands.bench_report`); a launched rank (under
+torchrun) runs one launch's work (``run_bench_rank``).
 """
 
 from __future__ import annotations
@@ -58,8 +59,16 @@ from fullshard.app.commands.bench_variants import (
     make_batches,
     parse_variants,
 )
+from fullshard.app.commands.checks import (
+    at_least,
+    model_and_length,
+    positive_seconds,
+    writable_folder,
+)
 from fullshard.app.config import add_config_options
+from fullshard.app.errors import ConfigError
 from fullshard.app.launch.local import (
+    check_devices,
     forward_flags,
     init_distributed,
     launch_local,
@@ -71,20 +80,34 @@ from fullshard.comm import control
 from fullshard.observe.c10d_counter import C10dCounter
 
 __all__ = [
+    "DESCRIPTION",
+    "EPILOG",
     "FULLSHARD_VARIANTS",
+    "HELP",
     "VARIANTS",
-    "add_bench_arguments",
+    "add_arguments",
     "default_variants",
     "main_bench",
     "parse_variants",
+    "run",
     "run_bench_rank",
+    "validate",
 ]
+
+HELP = "step time, tokens/s, memory and communication: fullshard strategies vs FSDP2, DDP"
+DESCRIPTION = (
+    "Benchmark the same model, data and ranks under each fullshard strategy, torch FSDP2, torch "
+    "DDP and a single process: step time (median of alternating rounds), tokens/s, peak memory "
+    "per rank, communication per step in model units, exposed communication. Writes "
+    "bench.json, bench.md and bench.png."
+)
+EPILOG = None
 
 OBSERVED_STEPS = 2  # untimed fullshard steps under the Recorder, for exposed communication
 MMAP_THRESHOLD = "65536"
 
 
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fullshard bench`` (every user-facing one documented in ``--help``); those
     it shares with ``fullshard train`` are train's own definitions (``add_config_options``)."""
     add_config_options(p, "model", "nproc", defaults={"model": "small"})
@@ -143,6 +166,36 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     # Internal: set by main_bench for the launches it makes.
     p.add_argument("--bench-phase", default="", help=argparse.SUPPRESS)
     p.add_argument("--bench-result", default="", help=argparse.SUPPRESS)
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """Every check of ``fullshard bench`` (outside torchrun); returns the variants to run."""
+    from fullshard.app.commands.bench_variants import MIXED_PRECISION
+
+    if args.mixed_precision not in MIXED_PRECISION:
+        raise ConfigError(
+            f"--mixed-precision {args.mixed_precision}: bench compares "
+            f"{' and '.join(MIXED_PRECISION)} (fp16 needs loss scaling, which not every variant "
+            "has): use one of those"
+        )
+    at_least(args, 1, "nproc", "batch_size", "seq_len", "rounds", "threads", "memory_steps")
+    at_least(args, 0, "warmup")
+    try:
+        variants = parse_variants(args.variants, args.nproc)
+    except ValueError as exc:
+        raise ConfigError(f"--variants {args.variants}: {exc}") from None
+    positive_seconds(args.timeout, "--timeout")
+    model_and_length(args.model, args.seq_len, "--seq-len")
+    writable_folder(args.out, "--out")
+    check_devices(args.device, args.backend, args.nproc)
+    return variants
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """The launches and the report (outside torchrun), or one launched rank's work."""
+    if under_torchrun():  # one of the launches main_bench makes, with options it checked
+        return run_bench_rank(args)
+    return main_bench(args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -356,20 +409,19 @@ def run_bench_rank(args: argparse.Namespace) -> int:
 def _rank_flags(args: argparse.Namespace, variants: list[str]) -> list[str]:
     # Full option names, no --nproc (torchrun's parser would claim it: see forward_flags).
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    add_bench_arguments(parser)
+    add_arguments(parser)
     skip = ("nproc", "variants", "out", "no_memory", "bench_phase", "bench_result")
     return [*forward_flags(parser, args, exclude=skip), f"--variants={','.join(variants)}"]
 
 
 def _launch(nproc: int, argv: list[str], memory: bool, timeout: float) -> int:
-    """``python -m fullshard.app.commands.bench <argv>`` on ``nproc`` ranks, within ``timeout`` seconds.
+    """``fullshard bench <argv>`` on ``nproc`` ranks, within ``timeout`` seconds.
 
     Memory launches start new interpreters (the malloc settings of :func:`_rank_env` are read at
     process start); the timing launch forks its ranks (NOTE [Ranks from a forkserver])."""
     return launch_local(
         nproc,
-        argv,
-        module="fullshard.app.commands.bench",
+        ["bench", *argv],
         env=_rank_env(memory),
         timeout_s=timeout,
         fresh_interpreters=memory,
@@ -424,10 +476,8 @@ def main_bench(args: argparse.Namespace) -> int:
     0 when every launch succeeded; 1 when one failed (what succeeded is still reported);
     2 for bad options.
     """
-    from fullshard.app.commands.validate import validate_bench
-
     try:
-        variants = validate_bench(args)  # raises ConfigError, a ValueError
+        variants = validate(args)  # raises ConfigError, a ValueError
         _model_facts(args.model)
     except (ValueError, KeyError) as exc:
         print(f"fullshard bench: error: {exc}", file=sys.stderr)
@@ -461,18 +511,3 @@ def main_bench(args: argparse.Namespace) -> int:
     for f in failed:
         print(f"fullshard bench: {f} failed", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="fullshard bench",
-        description="Step time, tokens/s, memory and communication of each fullshard strategy "
-        "side by side with torch FSDP2, DDP and one process.",
-    )
-    add_bench_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_bench_rank(args) if under_torchrun() else main_bench(args)
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -134,10 +134,12 @@ def build_variant(
     autocast = None
     tree = None
     if name in FULLSHARD_VARIANTS:
+        from fullshard.app.config import ParallelismConfig
         from fullshard.app.models.wrap import shard_model
 
         strategy = "full_shard" if name == "deterministic" else name
-        shard_model(model, strategy, unit_types_of(model), mixed_precision=mixed_precision)
+        parallelism = ParallelismConfig(strategy=strategy, mixed_precision=mixed_precision)
+        shard_model(model, parallelism, unit_types_of(model))
         if name == "deterministic":
             from fullshard import deterministic
 

@@ -1,127 +1,415 @@
-"""``fullshard plan``: its options, the report it prints, and the plan of a built-in model.
+"""``fullshard plan``: its options, their validation, its run, and the report it prints.
 
 The planner itself is a library (``fullshard.plan``); this module turns command-line options into
-a :class:`~fullshard.plan.PlanConfig`, builds ``fullshard.app.models.gpt`` models on the meta device
-for it, and formats the result.
+a :class:`~fullshard.plan.PlanConfig`, plans the model (``fullshard.app.models.planning`` builds
+the application's models on the meta device for it) and formats the result. Its two other modes
+run ranks: ``--check`` (``plan_check.py``: the plan against a measured run) and ``--calibrate``
+(``plan_calibrate.py``: this machine's rates, for ``--gpu``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+from collections.abc import Callable
 
-import torch
-from torch import nn
-
+from fullshard.app.commands.checks import at_least, model_and_length
 from fullshard.app.config import add_config_options
-from fullshard.app.models.gpt import (
-    build_model,
-    lm_loss,
-    output_vocab_size,
-    resolve_model_spec,
-    unit_types_of,
+from fullshard.app.errors import ConfigError
+from fullshard.app.launch.local import (
+    check_devices,
+    forward_flags,
+    launch_local,
+    under_torchrun,
+    validated_by_launcher,
 )
-from fullshard.plan import GB, Plan, PlanConfig, fmt_bytes, plan_analytic, plan_model, recommend
-from fullshard.plan.accounting import (
-    COMPILE_SCOPES,
-    DTYPE_BYTES,
-    OPTIMIZERS,
-    PP_SCHEDULES,
-    Recommendation,
-)
+from fullshard.app.models.planning import plan_builtin
+from fullshard.plan import GB, Plan, PlanConfig, fmt_bytes, plan_analytic, recommend
+from fullshard.plan.accounting import Recommendation
+from fullshard.plan.config import COMPILE_SCOPES, DTYPE_BYTES, OPTIMIZERS, PP_SCHEDULES
 from fullshard.plan.hardware import hardware_names, load_hardware
 from fullshard.plan.recommendation import describe
 from fullshard.plan.transformer import POLICIES
 from fullshard.policies import MEMORY_CATEGORIES, STEP_PHASES
 
-BYTE_VOCAB = 256  # the built-in models' vocabulary: UTF-8 bytes, as fullshard train reads text
-
 __all__ = [
-    "PLAN_EPILOG",
-    "add_plan_arguments",
+    "DESCRIPTION",
+    "EPILOG",
+    "HELP",
+    "add_arguments",
     "format_plan",
     "make_plan",
-    "model_vocab",
-    "plan_builtin",
     "plan_config",
     "plan_json",
+    "report",
     "run",
+    "validate",
+    "validate_check",
 ]
 
+HELP = "per-device memory and communication of a sharded run, before you buy hardware"
+DESCRIPTION = (
+    "Predict per-device memory (the ZeRO ladder, gathered window, activations, peak per phase) "
+    "and communication per step, from a parameter count (analytic mode) or a model definition "
+    "built on the meta device (model mode), and recommend a strategy."
+)
+EPILOG = """\
+examples:
+  fullshard plan --params 7.5e9 --devices 64                 # the ZeRO paper's ladder
+  fullshard plan --params 70e9 --layers 80 --devices 8 --device-memory 80
+  fullshard plan --model small --devices 4 --batch 8 --seq 128
+  fullshard plan --model hf:DIR --devices 8 --batch 2 --seq 8192 --precision bf16 \\
+      --activation-checkpointing selective --gpu h100-80gb --json
+  fullshard plan --calibrate --devices 2 --calibration here.json   # measure this machine
 
-def model_vocab(name: str, vocab_size: int | None = None) -> int:
-    """The vocabulary a plan of ``name`` uses: ``vocab_size`` when given (``--vocab``), else the
-    model's own: a Hugging Face directory's (its ``config.json``), and for the built-in names the
-    256 byte tokens ``fullshard train`` gives them."""
-    if vocab_size is not None:
-        return vocab_size
-    kind, spec = resolve_model_spec(name)
-    if kind == "hf":
-        from fullshard.app.models.hf import config_vocab_size
-
-        return config_vocab_size(spec) or BYTE_VOCAB
-    return BYTE_VOCAB
+GB = 1e9 bytes. Analytic mode splits --params into --layers equal units; model mode builds
+the model on the meta device (no memory) and shards each unit as the engine would.
+"""
 
 
-def plan_builtin(
-    name: str,
-    world_size: int,
-    config: PlanConfig | None = None,
-    *,
-    vocab_size: int | None = None,
-    with_recommendation: bool = True,
-) -> Plan:
-    """:func:`fullshard.plan.plan_model` for a ``fullshard.app.models.gpt`` name (``small``,
-    ``gpt2-124m``, ``hf:NAME``, ``hf:DIR`` ...), built on the meta device, with the trainer's
-    loss; with ``config.tp`` > 1, split as ``fullshard train --tp`` splits it. ``vocab_size``:
-    see :func:`model_vocab` (``None``: the model's own)."""
-    model = build_model(name, model_vocab(name, vocab_size), device="meta")
-    config = config or PlanConfig(precision="fp32", seq=128)
-    local = tp_local_shapes(model, config.tp) if config.tp > 1 else None
-    return plan_model(
-        model,
-        unit_types_of(model),
-        world_size,
-        config,
-        loss_step=lm_loss,
-        name=name,
-        # the logits the model makes (a checkpoint's vocabulary wins over --vocab)
-        shape={"batch": config.batch, "seq": config.seq, "vocab": output_vocab_size(model)},
-        with_recommendation=with_recommendation,
-        local_shapes=local,
-        vocab=output_vocab_size(model),
+# ----------------------------------------------------------------------------------------------
+# options
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``fullshard plan``, by group: the model, the hardware, the training run,
+    ``--check`` and ``--calibrate``."""
+    _model_options(parser.add_argument_group("model (one of)"))
+    _hardware_options(parser.add_argument_group("hardware"))
+    _training_options(parser.add_argument_group("training"))
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    _check_options(parser.add_argument_group("check mode"))
+    _calibration_options(parser.add_argument_group("calibration"))
+
+
+def _model_options(what: argparse._ArgumentGroup) -> None:
+    src = what.add_mutually_exclusive_group()
+    src.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (analytic mode)")
+    src.add_argument(
+        "--model",
+        help="a fullshard.app.models.gpt name: tiny, demo, small, gpt2-124m, 1b, 7b, hf:NAME, or "
+        "hf:DIR for a local Hugging Face config directory (model mode)",
+    )
+    what.add_argument(
+        "--layers", type=int, default=32, help="analytic: transformer layers = units (default 32)"
+    )
+    what.add_argument(
+        "--hidden", type=int, help="analytic: hidden size (default sqrt(params / (12 * layers)))"
+    )
+    what.add_argument("--heads", type=int, help="analytic: attention heads (default hidden/128)")
+    what.add_argument(
+        "--fused-attention",
+        action="store_true",
+        help="analytic: flash/fused attention (no s*s scores saved)",
+    )
+    what.add_argument(
+        "--vocab",
+        type=int,
+        help="model: vocabulary size (default: a Hugging Face directory's own, from its "
+        "config.json; 256 byte tokens for the built-in names)",
     )
 
 
-def tp_local_shapes(model: nn.Module, tp: int) -> dict[str, torch.Size]:
-    """Parameter name -> the shape one rank holds under tensor parallel: the blocks as
-    ``fullshard train --tp`` splits them (column-wise: rows split; row-wise: columns split, bias
-    whole), and the input embedding and output head split by vocabulary as torchtitan's plan
-    splits them (row-wise embedding, column-wise head with loss parallel), when ``tp`` divides
-    the vocabulary."""
-    from fullshard.app.models.tensor_parallel import block_plan, check_divisible
+def _hardware_options(hw: argparse._ArgumentGroup) -> None:
+    hw.add_argument("--devices", type=int, required=True, help="number of devices (world size)")
+    hw.add_argument(
+        "--gpu",
+        default="h100-80gb",
+        help=f"the device: a preset ({', '.join(hardware_names())}) or a JSON file (what "
+        "--calibrate writes; docs/plan.md shows its keys) (default h100-80gb)",
+    )
+    hw.add_argument(
+        "--device-memory", type=float, help="memory per device in GB (default: the --gpu's)"
+    )
+    hw.add_argument(
+        "--reserve",
+        type=float,
+        help="with --device-memory: the fraction kept back for context and fragmentation "
+        "(default 0.1); else the --gpu's allocator factor and overhead decide",
+    )
+    hw.add_argument(
+        "--devices-per-node",
+        type=int,
+        default=8,
+        help="devices per node: the default hybrid group (default 8)",
+    )
 
-    out: dict[str, torch.Size] = {}
-    types = unit_types_of(model)
-    for bname, block in model.named_modules():
-        if not isinstance(block, types):
-            continue
-        check_divisible(block, tp)
-        for sub, kind in block_plan(block).items():
-            linear = block.get_submodule(sub)
-            assert isinstance(linear, nn.Linear)
-            out_f, in_f = linear.out_features, linear.in_features
-            w = (out_f // tp, in_f) if kind == "col" else (out_f, in_f // tp)
-            out[f"{bname}.{sub}.weight"] = torch.Size(w)
-            if linear.bias is not None and kind == "col":
-                out[f"{bname}.{sub}.bias"] = torch.Size([out_f // tp])
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    for get in ("get_input_embeddings", "get_output_embeddings"):
-        module = getattr(model, get, lambda: None)()
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and id(weight) in by_id and weight.shape[0] % tp == 0:
-            out[by_id[id(weight)]] = torch.Size([weight.shape[0] // tp, *weight.shape[1:]])
-    return out
+
+def _training_options(run_: argparse._ArgumentGroup) -> None:
+    # fullshard train's own definitions: the plan reads them as a run would
+    add_config_options(run_, "strategy", "tp")
+    run_.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (default 1)")
+    run_.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel degree: each sequence split over this many devices (default 1)",
+    )
+    run_.add_argument(
+        "--pp-schedule",
+        default="1f1b",
+        choices=PP_SCHEDULES,
+        help="pipeline schedule: 1f1b, or interleaved (2 stages per rank)",
+    )
+    run_.add_argument(
+        "--microbatches", type=int, help="pipeline microbatches per step (default: --pp)"
+    )
+    run_.add_argument(
+        "--hybrid-group",
+        type=int,
+        help="hybrid strategies: devices per shard group (default: per node)",
+    )
+    run_.add_argument(
+        "--precision",
+        choices=tuple(DTYPE_BYTES),
+        help="fp32, or bf16/fp16 mixed precision with fp32 master weights (default: bf16 "
+        "analytic, fp32 model mode as fullshard train)",
+    )
+    run_.add_argument(
+        "--reduce-dtype", choices=tuple(DTYPE_BYTES), help="gradient reduction dtype (default fp32)"
+    )
+    run_.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=tuple(OPTIMIZERS),
+        help="adam/adamw: 2 fp32 states (K = 12 B/param with the master copy in mixed "
+        "precision); sgd-momentum: 1; sgd: 0 (default adam)",
+    )
+    run_.add_argument("--batch", type=int, default=1, help="sequences per device (default 1)")
+    run_.add_argument(
+        "--seq", type=int, help="tokens per sequence (default: 2048 analytic, 128 model mode)"
+    )
+    _compute_options(run_)
+
+
+def _compute_options(run_: argparse._ArgumentGroup) -> None:
+    """What the step computes and where: checkpointing, compilation, float8, async TP, offload,
+    the collective backend."""
+    run_.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=POLICIES,
+        help="none, selective (torchtitan's per-op policy: every other matmul's and attention's "
+        "outputs kept) or full (each block's input kept); the flag alone is full (default none)",
+    )
+    run_.add_argument(
+        "--compile",
+        nargs="?",
+        const="all",
+        default="none",
+        choices=COMPILE_SCOPES,
+        help="torch.compile: the flag alone compiles the blocks and the loss (torchtitan's "
+        "--training.compile since 2025); 'blocks' the blocks only (torchtitan in 2024)",
+    )
+    run_.add_argument(
+        "--float8",
+        action="store_true",
+        help="float8 linears in the blocks, their weights all-gathered as float8",
+    )
+    run_.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="tensor parallel's collectives split under its matmuls",
+    )
+    run_.add_argument(
+        "--offload",
+        action="store_true",
+        help="keep shards, gradients and the optimizer step on the CPU",
+    )
+    run_.add_argument(
+        "--backend",
+        default="nccl",
+        choices=("nccl", "gloo"),
+        help="collective backend: gloo's reduce-scatter needs one more buffer (default nccl)",
+    )
+
+
+def _check_options(check: argparse._ArgumentGroup) -> None:
+    check.add_argument(
+        "--check",
+        action="store_true",
+        help="model mode: also run the model on --devices local ranks and print predicted vs "
+        "measured peak memory per phase and category",
+    )
+    check.add_argument(
+        "--check-steps", type=int, default=2, help="measured training steps (default: 2)"
+    )
+    check.add_argument(
+        "--check-device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where the check runs: auto (CUDA if visible), cpu (gloo) or cuda (with the "
+        "planned --backend: nccl, one GPU per rank, or gloo, the ranks sharing the GPUs)",
+    )
+
+
+def _calibration_options(cal: argparse._ArgumentGroup) -> None:
+    cal.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine on --devices local ranks (matmul rate, memory bandwidth, the "
+        "backend's collective bandwidth) and write --calibration",
+    )
+    cal.add_argument(
+        "--calibration",
+        default="fullshard-calibration.json",
+        help="where --calibrate writes this machine's description (for --gpu)",
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def validate(args: argparse.Namespace) -> None:
+    """The numbers of ``fullshard plan`` (every mode): counts at least 1, a finite positive
+    ``--params``, a finite positive ``--device-memory`` and a ``--reserve`` fraction in [0, 1).
+    argparse's ``float`` takes ``inf``, ``nan`` and negative numbers; the planner would turn
+    them into a traceback or a report of negative gigabytes."""
+    if args.params is not None and not (math.isfinite(args.params) and args.params >= 1):
+        raise ConfigError(
+            f"--params {args.params} is not a parameter count: give a finite number of at "
+            "least 1, e.g. --params 7e9"
+        )
+    memory, reserve = args.device_memory, args.reserve
+    if memory is not None and not (math.isfinite(memory) and memory > 0):
+        raise ConfigError(
+            f"--device-memory {memory} is not a memory size: give the GB of one "
+            "device, a finite positive number, e.g. --device-memory 80"
+        )
+    if reserve is not None and not (math.isfinite(reserve) and 0.0 <= reserve < 1.0):
+        raise ConfigError(
+            f"--reserve {reserve} is not a fraction of device memory: give a number in "
+            "[0, 1), e.g. --reserve 0.1 (10% kept back)"
+        )
+    if not args.calibrate and args.params is None and args.model is None:
+        raise ConfigError("give a parameter count (--params) or a model (--model), or --calibrate")
+    at_least(args, 1, "devices", "layers", "batch", "devices_per_node", "tp", "pp", "cp")
+    for dest in ("hidden", "heads", "seq", "hybrid_group", "vocab", "microbatches"):
+        if getattr(args, dest, None) is not None:
+            at_least(args, 1, dest)
+
+
+def validate_check(args: argparse.Namespace) -> None:
+    """Every check of ``fullshard plan --check``: the plan it compares with, and the run."""
+    from fullshard.app.commands.plan_check import check_config, check_target
+
+    if args.model is None:
+        raise ConfigError("--check runs a model: give --model (model mode)")
+    if getattr(args, "tp", 1) > 1:
+        raise ConfigError("--check does not run tensor parallel yet: drop --tp (or --check)")
+    unrun = [f"--{name.replace('_', '-')}" for name in ("pp", "cp") if getattr(args, name) > 1]
+    unrun += [
+        f"--{name.replace('_', '-')}" for name in ("float8", "async_tp") if getattr(args, name)
+    ]
+    unrun += ["--compile"] if args.compile != "none" else []
+    unrun += ["--activation-checkpointing selective"] * (
+        args.activation_checkpointing == "selective"
+    )
+    if unrun:
+        raise ConfigError(
+            f"--check runs the model with fullshard's trainer, which does not run {', '.join(unrun)}"
+            " here: drop them (or --check)"
+        )
+    validate(args)
+    at_least(args, 1, "check_steps")
+    model_and_length(args.model, args.seq or 128, "--seq")
+    try:
+        check_config(args).shard_group(args.devices)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    check_devices(*check_target(args), args.devices, flag="--check-device")
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """The report (one process); ``--check`` and ``--calibrate`` launch ``--devices`` local
+    ranks (or, under torchrun, run as one of them)."""
+    if args.calibrate:
+        return _ranks(args, _calibrate)
+    if args.check:
+        if not validated_by_launcher():
+            validate_check(args)
+        return _ranks(args, _check)
+    validate(args)
+    try:
+        print(report(args))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return 0
+
+
+def _ranks(args: argparse.Namespace, rank_work: Callable[[argparse.Namespace], int]) -> int:
+    """Outside torchrun: launch ``--devices`` local ranks with these options (full-name flags);
+    under torchrun: this rank's part of the mode (``rank_work``)."""
+    if not under_torchrun():
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        add_arguments(parser)
+        return launch_local(args.devices, ["plan", *forward_flags(parser, args)])
+    return rank_work(args)
+
+
+def _check(args: argparse.Namespace) -> int:
+    """One rank of ``--check``; rank 0 prints predicted against measured."""
+    from fullshard.app.commands.plan_check import check_json, check_rank, format_check
+
+    res = check_rank(args)
+    if os.environ["RANK"] == "0":
+        print(check_json(res) if args.json else format_check(res), flush=True)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """One rank of ``--calibrate``; rank 0 says what it wrote."""
+    from fullshard.app.commands.plan_calibrate import calibrate_rank
+
+    data = calibrate_rank(args)
+    if data is not None:
+        rate, bw = data["matmul_flops"]["fp32"], data["memory_bandwidth"]
+        link = data["intra_node_bandwidth"]
+        print(
+            f"wrote {args.calibration}: matmul {rate / 1e9:.1f} GFLOP/s, memory "
+            f"{bw / 1e9:.1f} GB/s, collectives {link / 1e9:.2f} GB/s per rank "
+            f"({data['name']}); plan with --gpu {args.calibration}",
+            flush=True,
+        )
+    return 0
+
+
+def report(args: argparse.Namespace) -> str:
+    """``fullshard plan``'s report (or JSON) for parsed ``args``."""
+    analytic = args.params is not None
+    if args.params is None and args.model is None:
+        raise ValueError("give a parameter count (--params) or a model (--model)")
+    config = plan_config(args, analytic)
+    model_parallel = args.tp * args.pp * args.cp
+    if args.devices % model_parallel:
+        raise ValueError(
+            f"--tp {args.tp} x --pp {args.pp} x --cp {args.cp} must divide --devices {args.devices}"
+        )
+    if analytic and model_parallel > 1:
+        raise ValueError(
+            "--tp/--pp/--cp need a model to split (--model); analytic mode has no matrices"
+        )
+    plan = make_plan(
+        args.devices,
+        config,
+        params=args.params,
+        model=args.model,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        fused_attention=args.fused_attention,
+        vocab_size=args.vocab,
+    )
+    return plan_json(plan) if args.json else format_plan(plan)
 
 
 def make_plan(
@@ -143,16 +431,24 @@ def make_plan(
         raise ValueError("give either a parameter count (--params) or a model (--model)")
     if model is not None:
         return plan_builtin(
-            model, world_size, config, vocab_size=vocab_size,
+            model,
+            world_size,
+            config,
+            vocab_size=vocab_size,
             with_recommendation=with_recommendation,
-        )  # fmt: skip
+        )
     assert params is not None
 
     def evaluate(cfg: PlanConfig) -> Plan:
         return plan_analytic(
-            params, world_size, cfg, layers=layers, hidden=hidden, heads=heads,
+            params,
+            world_size,
+            cfg,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
             fused_attention=fused_attention,
-        )  # fmt: skip
+        )
 
     plan = evaluate(config)
     if with_recommendation:
@@ -233,11 +529,14 @@ def format_plan(plan: Plan) -> str:
 
 
 def _extras(cfg: PlanConfig) -> str:
-    parts = [f"tp {cfg.tp}" if cfg.tp > 1 else "", f"pp {cfg.pp} ({cfg.pp_schedule})"
-             if cfg.pp > 1 else "", f"cp {cfg.cp}" if cfg.cp > 1 else "",
-             f"torch.compile ({cfg.compile})" if cfg.compile_blocks else "",
-             "float8" if cfg.float8 else "",
-             "async TP" if cfg.async_tp else ""]  # fmt: skip
+    parts = [
+        f"tp {cfg.tp}" if cfg.tp > 1 else "",
+        f"pp {cfg.pp} ({cfg.pp_schedule})" if cfg.pp > 1 else "",
+        f"cp {cfg.cp}" if cfg.cp > 1 else "",
+        f"torch.compile ({cfg.compile})" if cfg.compile_blocks else "",
+        "float8" if cfg.float8 else "",
+        "async TP" if cfg.async_tp else "",
+    ]
     return "".join(f", {p}" for p in parts if p)
 
 
@@ -271,106 +570,6 @@ def plan_json(plan: Plan) -> str:
     return json.dumps(plan.to_dict(), indent=2, default=str)
 
 
-PLAN_EPILOG = """\
-examples:
-  fullshard plan --params 7.5e9 --devices 64                 # the ZeRO paper's ladder
-  fullshard plan --params 70e9 --layers 80 --devices 8 --device-memory 80
-  fullshard plan --model small --devices 4 --batch 8 --seq 128
-  fullshard plan --model hf:DIR --devices 8 --batch 2 --seq 8192 --precision bf16 \\
-      --activation-checkpointing selective --gpu h100-80gb --json
-  fullshard plan --calibrate --devices 2 --calibration here.json   # measure this machine
-
-GB = 1e9 bytes. Analytic mode splits --params into --layers equal units; model mode builds
-the model on the meta device (no memory) and shards each unit as the engine would.
-"""
-
-
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``fullshard plan``."""
-    what = parser.add_argument_group("model (one of)")
-    src = what.add_mutually_exclusive_group()
-    src.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9 (analytic mode)")
-    src.add_argument("--model", help="a fullshard.app.models.gpt name: tiny, demo, small, gpt2-124m, "
-                     "1b, 7b, hf:NAME, or hf:DIR for a local Hugging Face config directory "
-                     "(model mode)")  # fmt: skip
-    what.add_argument("--layers", type=int, default=32,
-                      help="analytic: transformer layers = units (default 32)")  # fmt: skip
-    what.add_argument("--hidden", type=int, help="analytic: hidden size (default "
-                      "sqrt(params / (12 * layers)))")  # fmt: skip
-    what.add_argument("--heads", type=int, help="analytic: attention heads (default hidden/128)")
-    what.add_argument("--fused-attention", action="store_true",
-                      help="analytic: flash/fused attention (no s*s scores saved)")  # fmt: skip
-    what.add_argument("--vocab", type=int,
-                      help="model: vocabulary size (default: a Hugging Face directory's own, "
-                      "from its config.json; 256 byte tokens for the built-in names)")  # fmt: skip
-    hw = parser.add_argument_group("hardware")
-    hw.add_argument("--devices", type=int, required=True, help="number of devices (world size)")
-    hw.add_argument("--gpu", default="h100-80gb",
-                    help=f"the device: a preset ({', '.join(hardware_names())}) or a JSON file "
-                    "(what --calibrate writes; docs/plan.md shows its keys) (default h100-80gb)")  # fmt: skip
-    hw.add_argument("--device-memory", type=float,
-                    help="memory per device in GB (default: the --gpu's)")  # fmt: skip
-    hw.add_argument("--reserve", type=float,
-                    help="with --device-memory: the fraction kept back for context and "
-                    "fragmentation (default 0.1); else the --gpu's allocator factor and "
-                    "overhead decide")  # fmt: skip
-    hw.add_argument("--devices-per-node", type=int, default=8,
-                    help="devices per node: the default hybrid group (default 8)")  # fmt: skip
-    run_ = parser.add_argument_group("training")
-    # fullshard train's own definitions: the plan reads them as a run would
-    add_config_options(run_, "strategy", "tp")
-    run_.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (default 1)")
-    run_.add_argument("--cp", type=int, default=1,
-                      help="context-parallel degree: each sequence split over this many "
-                      "devices (default 1)")  # fmt: skip
-    run_.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES,
-                      help="pipeline schedule: 1f1b, or interleaved (2 stages per rank)")  # fmt: skip
-    run_.add_argument("--microbatches", type=int,
-                      help="pipeline microbatches per step (default: --pp)")  # fmt: skip
-    run_.add_argument("--hybrid-group", type=int,
-                      help="hybrid strategies: devices per shard group (default: per node)")  # fmt: skip
-    run_.add_argument("--precision", choices=tuple(DTYPE_BYTES),
-                      help="fp32, or bf16/fp16 mixed precision with fp32 master weights "
-                      "(default: bf16 analytic, fp32 model mode as fullshard train)")  # fmt: skip
-    run_.add_argument("--reduce-dtype", choices=tuple(DTYPE_BYTES),
-                      help="gradient reduction dtype (default fp32)")  # fmt: skip
-    run_.add_argument("--optimizer", default="adam", choices=tuple(OPTIMIZERS),
-                      help="adam/adamw: 2 fp32 states (K = 12 B/param with the master copy "
-                      "in mixed precision); sgd-momentum: 1; sgd: 0 (default adam)")  # fmt: skip
-    run_.add_argument("--batch", type=int, default=1, help="sequences per device (default 1)")
-    run_.add_argument("--seq", type=int,
-                      help="tokens per sequence (default: 2048 analytic, 128 model mode)")  # fmt: skip
-    run_.add_argument("--activation-checkpointing", nargs="?", const="full", default="none",
-                      choices=POLICIES,
-                      help="none, selective (torchtitan's per-op policy: every other matmul's "
-                      "and attention's outputs kept) or full (each block's input kept); the "
-                      "flag alone is full (default none)")  # fmt: skip
-    run_.add_argument("--compile", nargs="?", const="all", default="none",
-                      choices=COMPILE_SCOPES,
-                      help="torch.compile: the flag alone compiles the blocks and the loss "
-                      "(torchtitan's --training.compile since 2025); 'blocks' the blocks only "
-                      "(torchtitan in 2024)")  # fmt: skip
-    run_.add_argument("--float8", action="store_true",
-                      help="float8 linears in the blocks, their weights all-gathered as float8")  # fmt: skip
-    run_.add_argument("--async-tp", action="store_true",
-                      help="tensor parallel's collectives split under its matmuls")  # fmt: skip
-    run_.add_argument("--offload", action="store_true",
-                      help="keep shards, gradients and the optimizer step on the CPU")  # fmt: skip
-    run_.add_argument(
-        "--backend",
-        default="nccl",
-        choices=("nccl", "gloo"),
-        help="collective backend: gloo's reduce-scatter needs one more buffer (default nccl)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    cal = parser.add_argument_group("calibration")
-    cal.add_argument("--calibrate", action="store_true",
-                     help="measure this machine on --devices local ranks (matmul rate, memory "
-                     "bandwidth, the backend's collective bandwidth) and write --calibration")  # fmt: skip
-    cal.add_argument("--calibration", default="fullshard-calibration.json",
-                     help="where --calibrate writes this machine's description (for --gpu)")  # fmt: skip
-
-
 def plan_config(args: argparse.Namespace, analytic: bool) -> PlanConfig:
     """The :class:`PlanConfig` that parsed ``fullshard plan`` options describe."""
     hardware = load_hardware(args.gpu, devices_per_node=args.devices_per_node)
@@ -399,34 +598,3 @@ def plan_config(args: argparse.Namespace, analytic: bool) -> PlanConfig:
         async_tp=args.async_tp,
         hardware=hardware,
     )
-
-
-def run(args: argparse.Namespace) -> str:
-    """``fullshard plan``: the report (or JSON) for parsed ``args``."""
-    analytic = args.params is not None
-    if args.params is None and args.model is None:
-        raise ValueError("give a parameter count (--params) or a model (--model)")
-    for name in ("devices", "layers", "batch", "devices_per_node", "pp", "cp"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    config = plan_config(args, analytic)
-    model_parallel = args.tp * args.pp * args.cp
-    if args.tp < 1 or args.devices % model_parallel:
-        raise ValueError(
-            f"--tp {args.tp} x --pp {args.pp} x --cp {args.cp} must divide --devices {args.devices}"
-        )
-    if analytic and model_parallel > 1:
-        raise ValueError("--tp/--pp/--cp need a model to split (--model); analytic mode has no "
-                         "matrices")  # fmt: skip
-    plan = make_plan(
-        args.devices,
-        config,
-        params=args.params,
-        model=args.model,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        fused_attention=args.fused_attention,
-        vocab_size=args.vocab,
-    )
-    return plan_json(plan) if args.json else format_plan(plan)

@@ -31,7 +31,7 @@ from fullshard.comm import control
 from fullshard.comm.collectives import all_gather, reduce_scatter
 from fullshard.plan.hardware import Efficiency, Hardware
 
-__all__ = ["calibrate_rank", "run_calibrate"]
+__all__ = ["calibrate_rank"]
 
 COLLECTIVE_BYTES = (1 << 20, 16 << 20)  # a small and a large message: latency and bandwidth
 
@@ -99,8 +99,11 @@ def _write(
         return min(r[key] for r in ranks)
 
     matmul = worst("matmul")
-    memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world)  # fmt: skip
+    memory = (
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
+    )
     hw = Hardware(
         name=f"calibrated: {socket.gethostname()} ({world} ranks, {backend}, {device.type})",
         memory_bytes=float(memory),
@@ -125,28 +128,3 @@ def _write(
     data = hw.to_dict()
     Path(args.calibration).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return data
-
-
-def run_calibrate(args: argparse.Namespace) -> int:
-    """``fullshard plan --calibrate``: launch ``--devices`` local ranks (or, under torchrun, be
-    one) and report what rank 0 wrote."""
-    from fullshard.app.commands.plan import add_plan_arguments
-    from fullshard.app.commands.plan_check import add_check_arguments
-    from fullshard.app.launch.local import forward_flags, launch_local, under_torchrun
-
-    if not under_torchrun():
-        parser = argparse.ArgumentParser(allow_abbrev=False)
-        add_plan_arguments(parser)
-        add_check_arguments(parser)
-        return launch_local(args.devices, ["plan", *forward_flags(parser, args)])
-    data = calibrate_rank(args)
-    if data is not None:
-        rate, bw = data["matmul_flops"]["fp32"], data["memory_bandwidth"]
-        link = data["intra_node_bandwidth"]
-        print(
-            f"wrote {args.calibration}: matmul {rate / 1e9:.1f} GFLOP/s, memory "
-            f"{bw / 1e9:.1f} GB/s, collectives {link / 1e9:.2f} GB/s per rank "
-            f"({data['name']}); plan with --gpu {args.calibration}",
-            flush=True,
-        )
-    return 0

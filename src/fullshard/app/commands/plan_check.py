@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from fullshard.app.commands.plan import model_vocab, plan_builtin
 from fullshard.app.commands.plan_measure import measure_device
+from fullshard.app.config import ParallelismConfig
 from fullshard.app.launch.local import rank_session, resolve_backend
 from fullshard.app.models.gpt import build_model, lm_loss, unit_types_of
+from fullshard.app.models.planning import model_vocab, plan_builtin
 from fullshard.app.models.wrap import shard_model
 from fullshard.comm import control
 from fullshard.observe.memory import MemoryTracker, profiler_live_peak
@@ -42,7 +43,6 @@ from fullshard.policies import MEMORY_CATEGORIES as CATEGORIES
 from fullshard.policies import STEP_PHASES as PHASES
 
 __all__ = [
-    "add_check_arguments",
     "check_config",
     "check_json",
     "check_rank",
@@ -55,27 +55,6 @@ MIB = 2**20
 
 def _rss_mib() -> float:
     return rss_bytes() / MIB
-
-
-def add_check_arguments(plan: argparse.ArgumentParser) -> None:
-    """The ``check mode`` options of ``fullshard plan``."""
-    check = plan.add_argument_group("check mode")
-    check.add_argument(
-        "--check",
-        action="store_true",
-        help="model mode: also run the model on --devices local ranks and print predicted vs "
-        "measured peak memory per phase and category",
-    )
-    check.add_argument(
-        "--check-steps", type=int, default=2, help="measured training steps (default: 2)"
-    )
-    check.add_argument(
-        "--check-device",
-        default="auto",
-        choices=("auto", "cpu", "cuda"),
-        help="where the check runs: auto (CUDA if visible), cpu (gloo) or cuda (with the "
-        "planned --backend: nccl, one GPU per rank, or gloo, the ranks sharing the GPUs)",
-    )
 
 
 def check_target(args: argparse.Namespace) -> tuple[str, str]:
@@ -127,8 +106,12 @@ def _check(
     with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
         model = build_model(args.model, vocab, seed=0, device=device, lazy_weights=True)
         group = config.shard_group(world)
-        shard_model(model, args.strategy, unit_types_of(model), shard_size=group,
-                    activation_checkpointing=config.checkpointing == "full")  # fmt: skip
+        parallelism = ParallelismConfig(
+            strategy=args.strategy,
+            shard_size=group,
+            activation_checkpointing=config.checkpointing == "full",
+        )
+        shard_model(model, parallelism, unit_types_of(model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(rank)
 
@@ -209,8 +192,9 @@ def _rates_of_the_moment(
         memory_bandwidth=min(r["memory_bandwidth"] for r in rates),
         efficiency=replace(config.hardware.efficiency, launch_s=max(r["launch_s"] for r in rates)),
     )
-    plan = plan_builtin(model, world, replace(config, hardware=hw), vocab_size=vocab,
-                        with_recommendation=False)  # fmt: skip
+    plan = plan_builtin(
+        model, world, replace(config, hardware=hw), vocab_size=vocab, with_recommendation=False
+    )
     return plan.step.step_s if plan.step else None
 
 

@@ -24,8 +24,22 @@ from typing import Any
 import torch
 
 from fullshard import step_schedule
-from fullshard.app.config import add_config_options
-from fullshard.app.launch.local import rank_session
+from fullshard.app.commands.checks import (
+    at_least,
+    dims_of,
+    model_and_length,
+    positive_seconds,
+    writable_folder,
+)
+from fullshard.app.config import ParallelismConfig, add_config_options
+from fullshard.app.dims import ParallelDims, under_torchrun
+from fullshard.app.launch.local import (
+    check_devices,
+    forward_flags,
+    launch_local,
+    rank_session,
+    validated_by_launcher,
+)
 from fullshard.app.models.gpt import build_model, count_params, lm_loss, unit_types_of
 from fullshard.app.models.wrap import shard_model
 from fullshard.comm import control
@@ -38,10 +52,19 @@ from fullshard.observe.timeline import (
     gather_events,
 )
 
-__all__ = ["add_trace_arguments", "run_trace"]
+__all__ = ["DESCRIPTION", "EPILOG", "HELP", "add_arguments", "run", "validate"]
+
+HELP = "record a few training steps per rank: timeline (JSON + PNG), exposed communication"
+DESCRIPTION = (
+    "Train a built-in model for a few steps on N local ranks and record, per rank, every "
+    "gather / compute / free / reduce-scatter / optimizer step. Writes a Chrome/Perfetto trace "
+    "(trace.json), a PNG with ranks as rows (trace.png) and a summary with the exposed "
+    "(non-overlapped) communication time."
+)
+EPILOG = None
 
 
-def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``fullshard trace`` (every one documented in ``--help``); those it shares
     with ``fullshard train`` are train's own definitions (``add_config_options``)."""
     add_config_options(p, "model", defaults={"model": "small"})
@@ -56,6 +79,35 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     add_config_options(p, "device", "backend", "threads", "timeout")
 
 
+def validate(args: argparse.Namespace, dims: ParallelDims | int) -> None:
+    """Every check of ``fullshard trace`` (``dims``: the ranks it will have)."""
+    dims = dims_of(dims, 1, args.strategy, args.shard_size)
+    at_least(args, 1, "nproc", "batch_size", "seq_len", "steps", "threads")
+    at_least(args, 0, "warmup", "shard_size")
+    positive_seconds(args.timeout, "--timeout")
+    model_and_length(args.model, args.seq_len, "--seq-len")
+    if dims.hybrid:  # the size the ranks will choose (the engine's default when 0)
+        dims.checked_shard_group()
+    writable_folder(args.out, "--out")
+    check_devices(args.device, args.backend, dims.local_world)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Validate and launch ``--nproc`` local ranks (once per launch: the ranks our launcher
+    started do not validate again), or trace as one of them."""
+    if not validated_by_launcher():
+        dims = ParallelDims.from_env(args.nproc, strategy=args.strategy, shard_size=args.shard_size)
+        validate(args, dims)
+    if not under_torchrun():
+        # Full-name flags without --nproc, which torchrun's parser would claim (see forward_flags)
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        add_arguments(parser)
+        return launch_local(args.nproc, ["trace", *forward_flags(parser, args, exclude=("nproc",))])
+    with rank_session(args.device, args.timeout, args.backend) as info:
+        _trace(args, info.rank, info.world_size, info.device)
+    return 0
+
+
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
     lm_loss(model, x).backward()
     opt.step()
@@ -64,18 +116,13 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -
         torch.cuda.synchronize(x.device)
 
 
-def run_trace(args: argparse.Namespace) -> dict[str, Any]:
-    """One rank's part of ``fullshard trace`` (under torchrun); returns the summary."""
-    with rank_session(args.device, args.timeout, args.backend) as info:
-        return _trace(args, info.rank, info.world_size, info.device)
-
-
 def _trace(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict[str, Any]:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     model = build_model(args.model, 256, seed=0, device=device, lazy_weights=True)
     n_params = count_params(model)
-    plan = shard_model(model, args.strategy, unit_types_of(model), shard_size=args.shard_size)
+    parallelism = ParallelismConfig(strategy=args.strategy, shard_size=args.shard_size)
+    plan = shard_model(model, parallelism, unit_types_of(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     batches = [

@@ -1,5 +1,5 @@
 """The corpus checks of ``fullshard train``'s validation (:func:`check_data`, called by
-``fullshard.app.commands.validate.validate_train`` before launch): a text corpus is not empty and gives
+``fullshard.app.commands.train.validate`` before launch): a text corpus is not empty and gives
 every rank a micro-batch, counted from file sizes where they suffice; a prepared folder agrees with
 the flags and is intact, from its index and its files' stats. Nothing is tokenized but bytes.
 """
@@ -42,39 +42,46 @@ def check_data(cfg: TrainConfig, dims: ParallelDims) -> None:
     from fullshard.app.data.corpus import default_corpus, load_text, split_sizes, windows
     from fullshard.app.data.token_shards import is_prepared
 
-    if is_prepared(cfg.data):
+    data = cfg.data
+    if is_prepared(data.path):
         _check_prepared(cfg, dims)
         return
-    source = f"--data {cfg.data}" if cfg.data else "--data (default: the built-in corpus)"
+    source = f"--data {data.path}" if data.path else "--data (default: the built-in corpus)"
     size = 0
-    if cfg.data is not None:
-        files = _text_files(cfg.data)
+    if data.path is not None:
+        files = _text_files(data.path)
         size = sum(f.stat().st_size for f in files)
         if size == 0:
             what = "the file is empty" if len(files) == 1 else f"all {len(files)} files are empty"
             raise ConfigError(f"{source}: {what}: give text to train on")
-    if cfg.tokenizer != "byte":
+    if cfg.model.tokenizer != "byte":
         return  # counting other tokens means tokenizing the corpus: the ranks check it
     micro, world_size = _draws(cfg, dims)
-    need = micro * (cfg.seq_len + 1) + cfg.seq_len  # training tokens per rank for one batch
 
     def enough(n_tokens: int) -> bool:
-        return windows(split_sizes(n_tokens, world_size, cfg.val_fraction)[0], cfg.seq_len) >= micro
+        train = split_sizes(n_tokens, world_size, data.val_fraction)[0]
+        return windows(train, data.seq_len) >= micro
 
     # Bytes on disk are at least twice the tokens (only "\r\n" -> "\n" shrinks text): a corpus
     # large enough by its sizes is not read here.
-    if cfg.data is not None and enough(size // 2):
+    if data.path is not None and enough(size // 2):
         return
-    text = load_text(cfg.data) if cfg.data is not None else default_corpus()
+    text = load_text(data.path) if data.path is not None else default_corpus()
     n = len(text.encode("utf-8"))
     if not enough(n):
-        train = split_sizes(n, world_size, cfg.val_fraction)[0]
+        train = split_sizes(n, world_size, data.val_fraction)[0]
         raise ConfigError(
             f"{source}: {n:,} tokens are too few for one training batch: after --val-fraction "
-            f"{cfg.val_fraction} is held out, each of {world_size} ranks gets {train:,} training "
-            f"tokens, and one micro-batch of {micro} sequences of --seq-len {cfg.seq_len} needs "
-            f"{need:,}. Give more text, or a smaller --batch-size, --seq-len or --nproc"
+            f"{data.val_fraction} is held out, each of {world_size} ranks gets {train:,} training "
+            f"tokens, and one micro-batch of {micro} sequences of --seq-len {data.seq_len} needs "
+            f"{_needed(micro, data.seq_len):,}. Give more text, or a smaller --batch-size, "
+            "--seq-len or --nproc"
         )
+
+
+def _needed(micro: int, seq_len: int) -> int:
+    """Training tokens one rank needs for one micro-batch of ``micro`` windows."""
+    return micro * (seq_len + 1) + seq_len
 
 
 def _draws(cfg: TrainConfig, dims: ParallelDims) -> tuple[int, int]:
@@ -82,7 +89,7 @@ def _draws(cfg: TrainConfig, dims: ParallelDims) -> tuple[int, int]:
     a micro-batch from each data-parallel rank's slice, or with the global sampler
     (``--deterministic``, ``--elastic``) the whole global batch from the whole stream."""
     if cfg.global_sampler:
-        return cfg.batch_size, 1
+        return cfg.training.batch_size, 1
     return cfg.micro_batch(dims.dp), dims.dp
 
 
@@ -99,37 +106,38 @@ def _check_prepared(cfg: TrainConfig, dims: ParallelDims) -> None:
         verify_shards,
     )
 
-    assert cfg.data is not None
-    source = f"--data {cfg.data}"
-    index = read_index(cfg.data)
-    prepared, mine = index["tokenizer"], tokenizer_identity(cfg.tokenizer)
+    data, tokenizer = cfg.data, cfg.model.tokenizer
+    assert data.path is not None
+    source = f"--data {data.path}"
+    index = read_index(data.path)
+    prepared, mine = index["tokenizer"], tokenizer_identity(tokenizer)
     if prepared.get("kind") != mine["kind"] or prepared.get("sha256") != mine.get("sha256"):
         raise ConfigError(
             f"{source} was prepared with {describe_tokenizer(prepared)}, but --tokenizer "
-            f"{cfg.tokenizer} is {describe_tokenizer(mine)}: train with the tokenizer it was "
-            f"prepared with, or prepare it again with --tokenizer {cfg.tokenizer}"
+            f"{tokenizer} is {describe_tokenizer(mine)}: train with the tokenizer it was "
+            f"prepared with, or prepare it again with --tokenizer {tokenizer}"
         )
-    if index["val_fraction"] != cfg.val_fraction:
+    if index["val_fraction"] != data.val_fraction:
         raise ConfigError(
             f"{source} was split with --val-fraction {index['val_fraction']} when it was "
-            f"prepared, not {cfg.val_fraction}: train with --val-fraction {index['val_fraction']}"
-            ", or prepare it again"
+            f"prepared, not {data.val_fraction}: train with --val-fraction "
+            f"{index['val_fraction']}, or prepare it again"
         )
-    verify_shards(cfg.data, full=False)
+    verify_shards(data.path, full=False)
     vocab = int(prepared["vocab_size"])
     for split in ("train", "val"):
         for shard in index["splits"][split]["shards"]:
             if shard["max_token_id"] >= vocab:
                 raise ConfigError(
-                    f"{Path(cfg.data) / shard['file']}: token id {shard['max_token_id']} is "
+                    f"{Path(data.path) / shard['file']}: token id {shard['max_token_id']} is "
                     f"outside the tokenizer's vocabulary of {vocab}: prepare the corpus again"
                 )
     micro, dp = _draws(cfg, dims)
     train = int(index["splits"]["train"]["tokens"]) // dp
-    if windows(train, cfg.seq_len) < micro:
+    if windows(train, data.seq_len) < micro:
         raise ConfigError(
             f"{source}: {index['tokens']:,} tokens are too few for one training batch: each of "
             f"{dp} ranks gets {train:,} training tokens, and one micro-batch of {micro} "
-            f"sequences of --seq-len {cfg.seq_len} needs {micro * (cfg.seq_len + 1) + cfg.seq_len:,}"
-            ". Give more text, or a smaller --batch-size, --seq-len or --nproc"
+            f"sequences of --seq-len {data.seq_len} needs {_needed(micro, data.seq_len):,}. "
+            "Give more text, or a smaller --batch-size, --seq-len or --nproc"
         )

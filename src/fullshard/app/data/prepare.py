@@ -22,22 +22,20 @@ text at those boundaries (never for the byte tokenizer).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fullshard.app.data.corpus import TEXT_SUFFIXES, VAL_BLOCK, held_out_block
+from fullshard.app.data.corpus import VAL_BLOCK, held_out_block
 from fullshard.app.data.corpus_stream import (
-    DATA_SUFFIXES,
     encoded,
     fast_tokenizer_matches,
     fingerprint,
@@ -58,7 +56,7 @@ from fullshard.app.data.token_shards import (
 )
 from fullshard.app.errors import ConfigError
 
-__all__ = ["PrepareOptions", "add_prepare_arguments", "input_files", "prepare", "run_prepare"]
+__all__ = ["DEFAULT_SHARD_TOKENS", "PrepareOptions", "input_files", "prepare", "verify"]
 
 DEFAULT_SHARD_TOKENS = 256 << 20
 
@@ -77,44 +75,6 @@ class PrepareOptions:
     # a few hundred bytes per token, so 1 Mi characters keep a worker near 300 MiB
     chunk_chars: int = 1 << 20
     progress: bool = True
-
-
-def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``fullshard prepare``."""
-    parser.add_argument(
-        "inputs", nargs="*", metavar="INPUT",
-        help="text files (one document each), .jsonl (a 'text' field per line), .parquet / "
-        ".arrow (a 'text' column; Hugging Face dataset files on disk), or folders of them "
-        f"(recursively: {', '.join(TEXT_SUFFIXES + DATA_SUFFIXES)})",
-    )  # fmt: skip
-    parser.add_argument("--out", "-o", metavar="DIR", help="output folder (created if missing)")
-    parser.add_argument(
-        "--tokenizer", default="byte",
-        help="'byte' (UTF-8 bytes) or a local Hugging Face tokenizer directory (default: byte)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--val-fraction", type=float, default=0.05,
-        help="fraction held out for validation, in evenly spaced 4096-token blocks, as "
-        "fullshard train splits text (default: 0.05)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
-        help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS}, 256 Mi)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--workers", type=int, default=0,
-        help="tokenizer worker processes for a --tokenizer directory (default 0: one per CPU; 1: "
-        "in this process); byte tokens are encoded in this process (a copy: cheaper than a worker)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--verify", metavar="DIR",
-        help="re-hash every shard of the prepared folder DIR against its index (and record "
-        "their current mtimes, so start-ups trust them again), instead of preparing",
-    )  # fmt: skip
-    parser.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=True,
-        help="show a progress bar on stderr (on a terminal)",
-    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,9 +306,14 @@ def _progress_bar(total_bytes: int, wanted: bool) -> Any:
             )
         return _NoBar()
     return tqdm(
-        total=total_bytes, unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
-        disable=None if wanted else True, dynamic_ncols=True,
-    )  # fmt: skip
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        file=sys.stderr,
+        disable=None if wanted else True,
+        dynamic_ncols=True,
+    )
 
 
 def _write(
@@ -449,20 +414,3 @@ def verify(folder: str) -> str:
     _stat_records(Path(folder), index)
     write_json_atomic(Path(folder) / INDEX, index)
     return f"fullshard prepare: {folder}: all {n} files match their checksums"
-
-
-def run_prepare(args: argparse.Namespace) -> int:
-    """The ``fullshard prepare`` command."""
-    if args.verify is not None:
-        if args.inputs or args.out:
-            raise ConfigError("--verify DIR checks a prepared folder: give no inputs or --out")
-        if not (Path(args.verify) / INDEX).is_file():
-            raise ConfigError(f"--verify {args.verify}: no {INDEX}: not a prepared folder")
-        print(verify(args.verify))
-        return 0
-    opts = PrepareOptions(**{k: getattr(args, k) for k in asdict(_DEFAULTS) if hasattr(args, k)})
-    prepare(opts)
-    return 0
-
-
-_DEFAULTS = PrepareOptions(inputs=[], out="")

@@ -77,8 +77,11 @@ def job_status(statuses: list[int | None], finished: bool, preempted: bool) -> i
     bad = [s for s in statuses if s not in (0, PREEMPTED_EXIT)]
     if finished:
         if bad:
-            print(f"fullshard: the job trained to the end (its final checkpoint is complete); "
-                  f"exit statuses {bad} came after it", file=sys.stderr)  # fmt: skip
+            print(
+                "fullshard: the job trained to the end (its final checkpoint is complete); "
+                f"exit statuses {bad} came after it",
+                file=sys.stderr,
+            )
         return 0
     if not bad:
         return PREEMPTED_EXIT if preempted else 0
@@ -99,136 +102,185 @@ def launch_elastic(
     (see the module docstring). Call it after validating ``argv``."""
     import torch.distributed as dist
 
-    from fullshard.app.errors import ERROR_MARKER_ENV, RESUME_ENV, VALIDATED_ENV, read_report
-    from fullshard.app.launch.local import RANK_PRELOAD, run_rank, start_helpers
-    from fullshard.app.launch.preempt import MARKER_ENV, PREEMPTED_EXIT, ForwardSignals, read_marker
-    from fullshard.app.train.faults import LAUNCHER_PID_ENV, fault_from_env
-    from fullshard.elastic.membership import (
-        JOIN_ENV,
-        MEMBER_ENV,
-        REPLACES_ENV,
-        JobStore,
-    )
+    from fullshard.app.launch.local import RANK_PRELOAD, start_helpers
+    from fullshard.app.launch.preempt import ForwardSignals
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    jobs = JobStore(store)
-    base = dict(os.environ if env is None else env)
-    base.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    base.setdefault("OMP_NUM_THREADS", "1")
-    base.update(
-        {
-            VALIDATED_ENV: "1",
-            LAUNCHER_ENV: "1",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(store.port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RESTART_COUNT": "0",
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "WORLD_SIZE": str(nproc),
-            LAUNCHER_PID_ENV: str(os.getpid()),  # (a drill's ``launcher`` fault)
-        }
-    )
-    resume = base.get(RESUME_ENV) or "the same command with --resume latest"
-    ctx = multiprocessing.get_context("forkserver")
-    fault = fault_from_env(base)
-    spared = set() if fault is None else fault.frozen_ranks()  # member ids 0.. are the ranks
+    job = _Job(store, nproc, argv, module, dict(os.environ if env is None else env))
     start_helpers(RANK_PRELOAD)
-    procs: dict[int, Any] = {}  # member id -> its process
-    slots: dict[int, int] = {}  # member id -> the local slot (device) it runs on
-    reported: set[int] = set()
-    replaced = 0
-
-    def start(member: int, slot: int, replaces: int | None) -> None:
-        child = {**base, MEMBER_ENV: str(member), "RANK": str(slot), "LOCAL_RANK": str(slot)}
-        if replaces is not None:  # (a drill's faults fire in it only when marked again=1)
-            child.update({JOIN_ENV: "1", REPLACES_ENV: str(replaces)})
-        p = ctx.Process(target=run_rank, args=(child, module, list(argv)), daemon=False)
-        p.start()
-        procs[member], slots[member] = p, slot
-
-    def forward(signum: int) -> None:  # NOTE [Preemption]: the ranks checkpoint and exit 75
-        for p in procs.values():
-            if p.is_alive():
-                os.kill(p.pid, signum)
-
-    def stop_all() -> None:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-        for p in procs.values():
-            p.join(10)
-
-    def newest_members() -> list[Any]:
-        """The processes of the newest generation (all of them before the first is written)."""
-        record = jobs.generation(jobs.latest())
-        members = list(procs) if record is None else record["members"]
-        return [procs[m] for m in members if m in procs]
-
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    with tempfile.TemporaryDirectory(prefix="fullshard-elastic-") as tmp, ForwardSignals(forward):
-        error = base[ERROR_MARKER_ENV] = os.path.join(tmp, "input-error.txt")
-        marker = base[MARKER_ENV] = os.path.join(tmp, "preempted.json")
-        jobs.reserve_ids(nproc)
-        for rank in range(nproc):
-            start(rank, rank, None)
-        pids = [procs[m].pid for m in range(nproc)]
-        print(f"fullshard: --elastic ranks 0-{nproc - 1} are pids {pids}", file=sys.stderr)
+    with (
+        tempfile.TemporaryDirectory(prefix="fullshard-elastic-") as tmp,
+        ForwardSignals(job.forward),
+    ):
+        job.begin(tmp)
         while True:
             time.sleep(0.05)
             if deadline is not None and time.monotonic() > deadline:
-                stop_all()
+                job.stop_all()
                 print(f"fullshard: launch timed out after {timeout_s:.0f} s", file=sys.stderr)
                 return 124
-            report = read_report(error)
-            if report is not None:
-                message, stopped = report
-                time.sleep(0.5 if stopped is not None else 0)  # the ranks leave by themselves
-                stop_all()
-                said = "" if stopped is not None else "error: "
-                print(f"fullshard {argv[0]}: {said}{message}", file=sys.stderr)
-                return 2 if stopped is None else stopped
-            aborted = jobs.aborted()
-            if aborted is not None:
-                time.sleep(1.0)  # the ranks read it and leave
-                stop_all()
-                print(f"fullshard: {aborted}", file=sys.stderr)
-                return 1
-            lost: dict[int, str] = {}
-            for member, why in jobs.fenced().items():  # NOTE [Fencing]: lost, and never again
-                p = procs.get(member)
-                if p is None or member in reported:
-                    continue
-                if member in spared:  # a drill's frozen rank: its own fencing ends it
-                    lost[member] = f"was fenced ({why}); left alone (a drill's frozen rank)"
-                    continue
+            status = job.poll(max_replacements)
+            if status is not None:
+                return status
+
+
+class _Job:
+    """The processes of one elastic job, and what the launcher does with them each poll: a
+    rank's reported input error or ending, the ranks' abort, members lost (fenced, or exited
+    badly) and their replacements, and the end."""
+
+    def __init__(
+        self, store: Any, nproc: int, argv: list[str], module: str, base: dict[str, str]
+    ) -> None:
+        from fullshard.app.errors import RESUME_ENV, VALIDATED_ENV
+        from fullshard.app.faults import LAUNCHER_PID_ENV, fault_from_env
+        from fullshard.elastic.membership import JobStore
+
+        self.jobs, self.nproc, self.argv, self.module = JobStore(store), nproc, argv, module
+        base.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        base.setdefault("OMP_NUM_THREADS", "1")
+        base.update(
+            {
+                VALIDATED_ENV: "1",
+                LAUNCHER_ENV: "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "WORLD_SIZE": str(nproc),
+                LAUNCHER_PID_ENV: str(os.getpid()),  # (a drill's ``launcher`` fault)
+            }
+        )
+        self.base = base
+        self.resume = base.get(RESUME_ENV) or "the same command with --resume latest"
+        self.ctx = multiprocessing.get_context("forkserver")
+        fault = fault_from_env(base)
+        self.spared = set() if fault is None else fault.frozen_ranks()  # member ids 0.. are ranks
+        self.procs: dict[int, Any] = {}  # member id -> its process
+        self.slots: dict[int, int] = {}  # member id -> the local slot (device) it runs on
+        self.reported: set[int] = set()
+        self.replaced = 0
+
+    def begin(self, tmp: str) -> None:
+        """Start the first ``nproc`` ranks, their input errors and stop marker in ``tmp``."""
+        from fullshard.app.errors import ERROR_MARKER_ENV
+        from fullshard.app.launch.preempt import MARKER_ENV
+
+        self.error = self.base[ERROR_MARKER_ENV] = os.path.join(tmp, "input-error.txt")
+        self.marker = self.base[MARKER_ENV] = os.path.join(tmp, "preempted.json")
+        self.jobs.reserve_ids(self.nproc)
+        for rank in range(self.nproc):
+            self.start(rank, rank, None)
+        pids = [self.procs[m].pid for m in range(self.nproc)]
+        print(f"fullshard: --elastic ranks 0-{self.nproc - 1} are pids {pids}", file=sys.stderr)
+
+    def start(self, member: int, slot: int, replaces: int | None) -> None:
+        from fullshard.app.launch.local import run_rank
+        from fullshard.elastic.membership import JOIN_ENV, MEMBER_ENV, REPLACES_ENV
+
+        child = {**self.base, MEMBER_ENV: str(member), "RANK": str(slot), "LOCAL_RANK": str(slot)}
+        if replaces is not None:  # (a drill's faults fire in it only when marked again=1)
+            child.update({JOIN_ENV: "1", REPLACES_ENV: str(replaces)})
+        args = (child, self.module, list(self.argv))
+        p = self.ctx.Process(target=run_rank, args=args, daemon=False)
+        p.start()
+        self.procs[member], self.slots[member] = p, slot
+
+    def forward(self, signum: int) -> None:  # NOTE [Preemption]: the ranks checkpoint and exit 75
+        for p in self.procs.values():
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
                 p.kill()
-                p.join(10)
-                lost[member] = f"was fenced ({why}): killed"
-            for member, p in procs.items():
-                # a rank that stopped on a stop signal, checkpointed, is not lost
-                if p.exitcode not in (None, 0, PREEMPTED_EXIT) and member not in reported:
-                    lost.setdefault(member, f"exited with status {p.exitcode}")
-            finished = jobs.note("complete") is not None  # the job trained to the end
-            lost_now = bool(lost) and not finished
-            for member, what in sorted(lost.items()):
-                p = procs[member]
-                reported.add(member)
-                if finished:  # after the end: nothing to recover, no one to replace
-                    continue
-                print(f"fullshard: member {member} (pid {p.pid}) {what}; the other ranks keep "
-                      "running", file=sys.stderr, flush=True)  # fmt: skip
-                if replaced >= max_replacements:  # the others go on without it, if they can
-                    jobs.report_exit(member, p.exitcode, None)
-                    continue
-                replaced += 1
-                new = jobs.new_member_ids(1)
-                jobs.report_exit(member, p.exitcode, new)
-                start(new, slots[member], member)
-            if lost_now and all(p.exitcode not in (None, 0) for p in newest_members()):
-                jobs.abort(  # no survivor holds a copy, nor can decide the next membership
-                    "--elastic cannot recover in memory: every rank of the job was lost at once; "
-                    f"resume from the newest complete checkpoint: {resume}"
-                )
-            if all(p.exitcode is not None for p in procs.values()):
-                statuses = [p.exitcode for p in newest_members()]
-                return job_status(statuses, finished, read_marker(marker) is not None)
+        for p in self.procs.values():
+            p.join(10)
+
+    def newest_members(self) -> list[Any]:
+        """The processes of the newest generation (all of them before the first is written)."""
+        record = self.jobs.generation(self.jobs.latest())
+        members = list(self.procs) if record is None else record["members"]
+        return [self.procs[m] for m in members if m in self.procs]
+
+    def poll(self, max_replacements: int) -> int | None:
+        """One look at the job: the launcher's exit status once it ends, else ``None``."""
+        from fullshard.app.errors import read_report
+        from fullshard.app.launch.preempt import read_marker
+
+        report = read_report(self.error)
+        if report is not None:
+            message, stopped = report
+            time.sleep(0.5 if stopped is not None else 0)  # the ranks leave by themselves
+            self.stop_all()
+            said = "" if stopped is not None else "error: "
+            print(f"fullshard {self.argv[0]}: {said}{message}", file=sys.stderr)
+            return 2 if stopped is None else stopped
+        aborted = self.jobs.aborted()
+        if aborted is not None:
+            time.sleep(1.0)  # the ranks read it and leave
+            self.stop_all()
+            print(f"fullshard: {aborted}", file=sys.stderr)
+            return 1
+        lost = self.lost()
+        finished = self.jobs.note("complete") is not None  # the job trained to the end
+        self.replace(lost, finished, max_replacements)
+        if (
+            lost
+            and not finished
+            and all(p.exitcode not in (None, 0) for p in self.newest_members())
+        ):
+            self.jobs.abort(  # no survivor holds a copy, nor can decide the next membership
+                "--elastic cannot recover in memory: every rank of the job was lost at once; "
+                f"resume from the newest complete checkpoint: {self.resume}"
+            )
+        if all(p.exitcode is not None for p in self.procs.values()):
+            statuses = [p.exitcode for p in self.newest_members()]
+            return job_status(statuses, finished, read_marker(self.marker) is not None)
+        return None
+
+    def lost(self) -> dict[int, str]:
+        """The members lost since the last look, and how: fenced (killed, unless a drill's
+        frozen rank: its own fencing ends it), or exited badly."""
+        from fullshard.app.launch.preempt import PREEMPTED_EXIT
+
+        lost: dict[int, str] = {}
+        for member, why in self.jobs.fenced().items():  # NOTE [Fencing]: lost, and never again
+            p = self.procs.get(member)
+            if p is None or member in self.reported:
+                continue
+            if member in self.spared:
+                lost[member] = f"was fenced ({why}); left alone (a drill's frozen rank)"
+                continue
+            p.kill()
+            p.join(10)
+            lost[member] = f"was fenced ({why}): killed"
+        for member, p in self.procs.items():
+            # a rank that stopped on a stop signal, checkpointed, is not lost
+            if p.exitcode not in (None, 0, PREEMPTED_EXIT) and member not in self.reported:
+                lost.setdefault(member, f"exited with status {p.exitcode}")
+        return lost
+
+    def replace(self, lost: dict[int, str], finished: bool, max_replacements: int) -> None:
+        """Report each lost member's exit in the store, and start a replacement in its slot
+        while any are left (after the end: nothing to recover, no one to replace)."""
+        for member, what in sorted(lost.items()):
+            p = self.procs[member]
+            self.reported.add(member)
+            if finished:
+                continue
+            print(
+                f"fullshard: member {member} (pid {p.pid}) {what}; the other ranks keep running",
+                file=sys.stderr,
+                flush=True,
+            )
+            if self.replaced >= max_replacements:  # the others go on without it, if they can
+                self.jobs.report_exit(member, p.exitcode, None)
+                continue
+            self.replaced += 1
+            new = self.jobs.new_member_ids(1)
+            self.jobs.report_exit(member, p.exitcode, new)
+            self.start(new, self.slots[member], member)

@@ -65,7 +65,14 @@ __all__ = [
     "run_rank",
     "start_helpers",
     "under_torchrun",
+    "validated_by_launcher",
 ]
+
+
+def validated_by_launcher() -> bool:
+    """True on a rank that :func:`launch_local` started: its arguments were validated before
+    launch (one validation pass per launch), so the rank does not validate them again."""
+    return under_torchrun() and os.environ.get(VALIDATED_ENV) == "1"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ SIGTERM and SIGUSR1 like this:
 - on a rank, the handler only records the signal (Python runs handlers on the main thread
   between bytecodes, so the step in flight is never cut in half);
 - each step's existing MAX all-reduce on the device (the non-finite vote of
-  :func:`fullshard.app.train.faults.agree_step`) carries this rank's flag as a second element, so "any
+  :func:`fullshard.app.train.verdict.agree_step`) carries this rank's flag as a second element, so "any
   rank got a signal" becomes "every rank stops after the same step" with no new collective and
   no new host read (the flag tensor is filled on the device, not copied from the host). With
   fp16 the scaler makes its own non-finite decision and there was no vote: that path now runs

@@ -18,6 +18,7 @@ from fullshard import (
     FSDPModule,
     MixedPrecisionPolicy,
 )
+from fullshard.app.config import ParallelismConfig, reshard_after_forward_arg
 from fullshard.app.dims import ParallelDims
 from fullshard.engine.gradients import scale_, total_norm
 from fullshard.engine.parallelize import (
@@ -42,33 +43,28 @@ MIXED_PRECISION_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.fl
 
 def shard_model(
     model: nn.Module,
-    strategy: str,
+    parallelism: ParallelismConfig,
     unit_types: Iterable[type[nn.Module]],
     *,
-    mixed_precision: str = "none",
-    shard_size: int = 0,
-    activation_checkpointing: bool = False,
-    tp: int = 1,
-    float8: bool = False,
-    reshard_after_forward: bool | int | None = None,
-    cpu_offload: bool = False,
     dims: ParallelDims | None = None,
 ) -> ShardingPlan:
-    """Shard ``model``: every submodule of a type in ``unit_types`` becomes one unit, then the root.
+    """Shard ``model`` as ``parallelism`` (the ``[parallelism]`` section of ``fullshard train``'s
+    config) says: every submodule of a type in ``unit_types`` becomes one unit, then the root.
 
     ``strategy`` is a ``ShardingStrategy`` name; the hybrid ones shard inside groups of
     ``shard_size`` ranks (0: :func:`~fullshard.engine.sharding.hybrid_shard_size`) and replicate
     across the groups. ``tp`` > 1: tensor parallel over that many consecutive ranks inside each
     block first (``fullshard.app.models.tensor_parallel``), the strategy over the rest. ``float8``:
     :func:`convert_float8` first. ``reshard_after_forward`` (``--reshard-after-forward``): what
-    the blocks do after forward, ``fully_shard``'s argument (``None``: the strategy's).
+    the blocks do after forward, ``fully_shard``'s argument (unset: the strategy's).
     ``cpu_offload``: shard with :class:`~fullshard.CPUOffloadPolicy`. ``dims``: the run's
-    parallel dimensions, whose ``tp`` and ``shard_size`` then replace those arguments (default:
+    parallel dimensions, whose ``tp`` and ``shard_size`` then replace the section's (default:
     the process group's world and torchrun's environment). A model built with
     ``lazy_weights`` is materialised and loaded after sharding
     (:func:`fullshard.app.models.hf.load_pending`). Returns the plan that was applied.
     """
-    dtype = MIXED_PRECISION_DTYPES[mixed_precision]
+    p = parallelism
+    dtype = MIXED_PRECISION_DTYPES[p.mixed_precision]
     # Gradients are reduced in float32 even when computing in bf16/fp16: summing N ranks' low
     # precision gradients loses bits that the float32 master weights would keep.
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
@@ -77,15 +73,20 @@ def shard_model(
         raise ValueError(f"model {type(model).__name__} has no submodule of type {types}")
     if dims is None:
         dims = ParallelDims.from_env(
-            dist.get_world_size(), tp=tp, strategy=strategy, shard_size=shard_size
+            dist.get_world_size(), tp=p.tp, strategy=p.strategy, shard_size=p.shard_size
         )
     tp = dims.tp
-    if float8:
+    if p.float8:
         if tp > 1:  # the engine refuses hooked TP-local tensors (FSDP2 supports them)
             raise FullshardError("--float8 with --tp is not supported yet; drop one of them")
         convert_float8(model, types)
     plan = plan_sharding(
-        model, strategy, types, dims.dp, shard_size=dims.shard_size, local_world_size=dims.local_dp
+        model,
+        p.strategy,
+        types,
+        dims.dp,
+        shard_size=dims.shard_size,
+        local_world_size=dims.local_dp,
     )
     mesh = None
     if tp > 1:
@@ -100,9 +101,9 @@ def shard_model(
         plan,
         mesh=mesh,
         mp_policy=mp,
-        activation_checkpointing=activation_checkpointing,
-        offload_policy=CPUOffloadPolicy() if cpu_offload else None,
-        reshard_after_forward=reshard_after_forward,
+        activation_checkpointing=p.activation_checkpointing,
+        offload_policy=CPUOffloadPolicy() if p.cpu_offload else None,
+        reshard_after_forward=reshard_after_forward_arg(p.reshard_after_forward),
     )
     from fullshard.app.models.hf import load_pending
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fullshard import ShardedGradScaler
-from fullshard.app.config import TrainConfig, reshard_after_forward_arg
+from fullshard.app.config import OptimizerConfig, TrainConfig
 from fullshard.app.data.corpus import RankBatches, eval_batches, split_for_rank
 from fullshard.app.dims import ParallelDims
 from fullshard.app.errors import ConfigError
@@ -31,6 +31,7 @@ __all__ = [
     "adamw_implementation",
     "build_optimizer",
     "build_rank",
+    "device_decides",
     "lr_lambda",
     "param_groups",
     "rank_data",
@@ -56,26 +57,28 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, on_device: bool) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, opt: OptimizerConfig, on_device: bool
+) -> torch.optim.Optimizer:
     """``--optimizer``: AdamW over :func:`param_groups`, or ``fullshard.optim.Muon`` for the
     hidden weight matrices (``adjust_lr_fn="match_rms_adamw"``: Moonlight's scaling, under
     which AdamW's ``--lr`` and ``--weight-decay`` carry over) with AdamW groups, the same
     ``--optimizer-impl``, for the rest (embeddings, head, norms, biases)."""
-    impl = adamw_implementation(cfg.optimizer_impl, on_device)
-    if cfg.optimizer == "adamw":
-        groups = param_groups(model, cfg.weight_decay)
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **impl)
+    impl = adamw_implementation(opt.impl, on_device)
+    betas = (opt.beta1, opt.beta2)
+    if opt.name == "adamw":
+        groups = param_groups(model, opt.weight_decay)
+        return torch.optim.AdamW(groups, lr=opt.lr, betas=betas, **impl)
     from fullshard.optim import Muon, matrix_groups
 
     matrices = {id(p) for g in matrix_groups(model) if g["use_muon"] for p in g["params"]}
     groups = [{"params": [p for p in model.parameters() if id(p) in matrices], "use_muon": True}]
     groups = [g for g in groups if g["params"]]
-    for g in param_groups(model, cfg.weight_decay):
+    for g in param_groups(model, opt.weight_decay):
         rest = [p for p in g["params"] if id(p) not in matrices]
         if rest:
-            adamw = {"use_muon": False, "betas": (cfg.beta1, cfg.beta2), **impl}
-            groups.append({**g, "params": rest, **adamw})
-    return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")
+            groups.append({**g, "params": rest, "use_muon": False, "betas": betas, **impl})
+    return Muon(groups, lr=opt.lr, weight_decay=opt.weight_decay, adjust_lr_fn="match_rms_adamw")
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -114,24 +117,21 @@ def rank_data(
     """The global sampler over the unsplit stream (``--deterministic``, ``--elastic``), or the
     slice of the text of ``rank``'s data-parallel rank (the ``--tp`` ranks of one group read
     the same)."""
+    seq_len, seed = cfg.data.seq_len, cfg.training.seed
     if cfg.global_sampler:  # (fullshard.app.train.fixed_order)
-        train_tokens, val_tokens = split_for_rank(tokens, 0, 1, cfg.val_fraction)
+        train_tokens, val_tokens = split_for_rank(tokens, 0, 1, cfg.data.val_fraction)
+        batch = cfg.training.batch_size
         sampler = RankBatches(
-            train_tokens, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=0,
-            world_independent=True,
-        )  # fmt: skip
-        return RankData(
-            tokenizer, len(tokens), sampler, val_tokens, [],
-            f"{len(train_tokens):,} train, one global sampler",
-        )  # fmt: skip
+            train_tokens, seq_len, batch, seed=seed, rank=0, world_independent=True
+        )
+        words = f"{len(train_tokens):,} train, one global sampler"
+        return RankData(tokenizer, len(tokens), sampler, val_tokens, [], words)
     dp_rank, micro = dims.dp_rank(rank), cfg.micro_batch(dims.dp)
-    train_tokens, val_tokens = split_for_rank(tokens, dp_rank, dims.dp, cfg.val_fraction)
-    sampler = RankBatches(train_tokens, cfg.seq_len, micro, seed=cfg.seed, rank=dp_rank)
-    val = eval_batches(val_tokens, cfg.seq_len, micro, cfg.eval_batches)
-    return RankData(
-        tokenizer, len(tokens), sampler, val_tokens, val,
-        f"{len(train_tokens):,} train per rank",
-    )  # fmt: skip
+    train_tokens, val_tokens = split_for_rank(tokens, dp_rank, dims.dp, cfg.data.val_fraction)
+    sampler = RankBatches(train_tokens, seq_len, micro, seed=seed, rank=dp_rank)
+    val = eval_batches(val_tokens, seq_len, micro, cfg.output.eval_batches)
+    words = f"{len(train_tokens):,} train per rank"
+    return RankData(tokenizer, len(tokens), sampler, val_tokens, val, words)
 
 
 @dataclass
@@ -148,65 +148,95 @@ class Built:
 
 
 def build_rank(
-    cfg: TrainConfig, dims: ParallelDims, data: RankData, rank: int, world: int,
+    cfg: TrainConfig,
+    dims: ParallelDims,
+    data: RankData,
+    rank: int,
+    world: int,
     device: torch.device,
-) -> Built:  # fmt: skip
+) -> Built:
     """The sharded model, its optimizer and schedule, and the step's batches and decider, of
     ``rank`` among ``world`` ranks (``dims`` at that world)."""
     # lazy_weights: a safetensors checkpoint is built on meta and loaded by shard_model, each
     # rank reading only its rows; so the vocabulary is read off the output layer, not a forward
     vocab_size = data.tokenizer.vocab_size
-    model = build_model(cfg.model, vocab_size, seed=cfg.seed, device=device, lazy_weights=True)
+    seed = cfg.training.seed
+    model = build_model(cfg.model.name, vocab_size, seed=seed, device=device, lazy_weights=True)
     n_params = count_params(model)
     vocab = output_vocab_size(model)
     if vocab < vocab_size:
         raise ConfigError(f"model vocabulary {vocab} < tokenizer vocabulary {vocab_size}")
-    plan = shard_model(
-        model, cfg.strategy, unit_types_of(model), mixed_precision=cfg.mixed_precision,
-        dims=dims, activation_checkpointing=cfg.activation_checkpointing, float8=cfg.float8,
-        reshard_after_forward=reshard_after_forward_arg(cfg.reshard_after_forward),
-        cpu_offload=cfg.cpu_offload,
-    )  # fmt: skip
-    # NOTE [The step's verdict on the device]: on the CUDA path the device skips non-finite
-    # steps (fused AdamW's found_inf, a device schedule) and the host reads verdicts a step late.
-    # Not with --cpu-offload: the optimizer's parameters live on the host, whose kernel would
-    # read a device lr and found_inf before their copies land (NOTE [Kernel contracts]); the
-    # host waits for the gradients there anyway, and decides the step itself
-    # Only fused AdamW takes found_inf, so a GPU run with --optimizer-impl for-loop or foreach
-    # has the host decide
-    # (Muon's steps are the host's: its Newton-Schulz takes no found_inf)
-    on_device = (
-        cuda_semantics(device)
-        and cfg.optimizer == "adamw"
-        and cfg.optimizer_impl in ("auto", "fused")
-        and fused_adamw_available(device)
-        and not cfg.cpu_offload
-    )
-    opt = build_optimizer(model, cfg, on_device)
+    plan = shard_model(model, cfg.parallelism, unit_types_of(model), dims=dims)
+    on_device = device_decides(cfg, device)
+    opt = build_optimizer(model, cfg.optimizer, on_device)
+    o, max_steps = cfg.optimizer, cfg.training.max_steps
 
     def multiplier(step: int) -> float:
-        return lr_lambda(step, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        return lr_lambda(step, o.warmup_steps, max_steps, o.min_lr_ratio)
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, multiplier)
-    schedule = DeviceSchedule(opt, sched, multiplier, cfg.max_steps, device) if on_device else None
+    schedule = DeviceSchedule(opt, sched, multiplier, max_steps, device) if on_device else None
     state = TrainState(model, opt, sched, data.sampler, schedule)
     # fp16 needs loss scaling; the sharded scaler makes the skip decision on every rank alike
-    scaler = ShardedGradScaler(device.type) if cfg.mixed_precision == "fp16" else None
-    batches: Batches
-    if cfg.global_sampler:
-        batches = GlobalBatches(
-            model, data.sampler, global_batch=cfg.batch_size, micro_batch=cfg.micro_batch(dims.dp),
-            seed=cfg.seed, rank=rank, world=world, device=device, fixed_order=cfg.deterministic,
-            val_tokens=data.val_tokens, seq_len=cfg.seq_len, eval_batches=cfg.eval_batches,
-        )  # fmt: skip
-    else:
-        words = (
-            f"micro-batch {cfg.micro_batch(dims.dp)} x {cfg.seq_len}, grad-accum {cfg.grad_accum}"
-        )
-        batches = Accumulate(data.sampler, cfg.grad_accum, device, scaler, data.val, words)
+    fp16 = cfg.parallelism.mixed_precision == "fp16"
+    scaler = ShardedGradScaler(device.type) if fp16 else None
+    batches = _batches(cfg, dims, data, model, scaler, rank, world, device)
+    clip = cfg.training.clip
     decider: Decider = (
-        HostStep(state, scaler, cfg.clip)
+        HostStep(state, scaler, clip)
         if schedule is None
-        else DeviceStep(state, schedule, scaler, cfg.clip)
+        else DeviceStep(state, schedule, scaler, clip)
     )
     return Built(state, batches, decider, scaler, plan, n_params)
+
+
+def device_decides(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether the device decides each optimizer step (NOTE [The step's verdict on the
+    device]): on the CUDA path the device skips non-finite steps (fused AdamW's found_inf, a
+    device schedule) and the host reads verdicts a step late.
+
+    Not with ``--cpu-offload``: the optimizer's parameters live on the host, whose kernel would
+    read a device lr and found_inf before their copies land (NOTE [Kernel contracts]); the host
+    waits for the gradients there anyway, and decides the step itself. Only fused AdamW takes
+    found_inf, so a GPU run with ``--optimizer-impl`` for-loop or foreach has the host decide
+    (and Muon's steps are the host's: its Newton-Schulz takes no found_inf)."""
+    return (
+        cuda_semantics(device)
+        and cfg.optimizer.name == "adamw"
+        and cfg.optimizer.impl in ("auto", "fused")
+        and fused_adamw_available(device)
+        and not cfg.parallelism.cpu_offload
+    )
+
+
+def _batches(
+    cfg: TrainConfig,
+    dims: ParallelDims,
+    data: RankData,
+    model: nn.Module,
+    scaler: ShardedGradScaler | None,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> Batches:
+    """The step's micro-batches: the global sampler's (``--deterministic``, ``--elastic``), or
+    this rank's slice accumulated ``--grad-accum`` times."""
+    micro, seq_len = cfg.micro_batch(dims.dp), cfg.data.seq_len
+    if cfg.global_sampler:
+        return GlobalBatches(
+            model,
+            data.sampler,
+            global_batch=cfg.training.batch_size,
+            micro_batch=micro,
+            seed=cfg.training.seed,
+            rank=rank,
+            world=world,
+            device=device,
+            fixed_order=cfg.training.deterministic,
+            val_tokens=data.val_tokens,
+            seq_len=seq_len,
+            eval_batches=cfg.output.eval_batches,
+        )
+    accum = cfg.training.grad_accum
+    words = f"micro-batch {micro} x {seq_len}, grad-accum {accum}"
+    return Accumulate(data.sampler, accum, device, scaler, data.val, words)

@@ -46,11 +46,11 @@ from fullshard.app.errors import ConfigError, RunStopped, resume_hint, say_once
 from fullshard.app.launch.elastic import LAUNCHER_ENV
 from fullshard.app.launch.local import DistInfo, leave_together, prepare_rank
 from fullshard.app.train.build import RankData, rank_data
-from fullshard.app.train.faults import NonFiniteError
 from fullshard.app.train.monitor import MetricsLog
 from fullshard.app.train.state import LoopState
 from fullshard.app.train.trainer import Trainer, device_checks, read_text
-from fullshard.app.train.verdict import StepBook
+from fullshard.app.train.verdict import NonFiniteError
+from fullshard.app.train.world import check_world
 from fullshard.checkpoint import latest_checkpoint
 from fullshard.comm import control
 from fullshard.elastic import Aborted, Layout, Lost, Manager, Membership, abort_groups
@@ -82,7 +82,6 @@ def world_rules(
     """Which world sizes the job can run at (validation's own world checks), and where each
     world's copies live: a shard group's replicas hold each other's shards; otherwise the copy
     goes to the rank a node away (a lost node's shards are then held on another)."""
-    from fullshard.app.commands.validate import check_world
 
     def accepts(world: int) -> bool:
         try:
@@ -104,12 +103,17 @@ def world_rules(
 def elastic_session(cfg: TrainConfig, dims: ParallelDims) -> Iterator[tuple[DistInfo, Manager]]:
     """Join the current generation's process group (a new process: the one that admits it),
     and leave it together with the others."""
-    slot, device, backend = prepare_rank(cfg.device, cfg.backend, cfg.timeout)
+    launch = cfg.launch
+    slot, device, backend = prepare_rank(launch.device, launch.backend, launch.timeout)
     accepts, layout = world_rules(cfg, dims)
     mgr = Manager.from_env(
-        backend=backend, timeout_s=cfg.timeout, every=cfg.elastic_every, accepts=accepts,
-        layout=layout, device=device,
-    )  # fmt: skip
+        backend=backend,
+        timeout_s=launch.timeout,
+        every=launch.elastic_every,
+        accepts=accepts,
+        layout=layout,
+        device=device,
+    )
     try:
         m = mgr.join()
     except JobFinished as exc:  # a replacement that came after the end: not an error
@@ -130,7 +134,7 @@ def _newest_noted(mgr: Manager, cfg: TrainConfig) -> str | None:
     with contextlib.suppress(Exception):  # (the store may be what was lost)
         noted = mgr.jobs.note(RUN_DIR)
         if noted is not None:
-            return latest_checkpoint(cfg.checkpoint_dir or str(Path(noted) / "checkpoints"))
+            return latest_checkpoint(cfg.checkpoint.dir or str(Path(noted) / "checkpoints"))
     return None
 
 
@@ -148,8 +152,9 @@ class ElasticTrainer(Trainer):
     the participants hold, and goes on from there. A process that joins a running job starts
     from its peers' state instead of the disk."""
 
-    def __init__(self, cfg: TrainConfig, dims: ParallelDims, info: DistInfo, data: RankData,
-                 mgr: Manager) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: TrainConfig, dims: ParallelDims, info: DistInfo, data: RankData, mgr: Manager
+    ) -> None:
         self.mgr = mgr
         self.joiner = mgr.stateless
         self.failed_step: int | None = None  # the step a recovery in progress recovers from
@@ -170,7 +175,7 @@ class ElasticTrainer(Trainer):
         generation's rank 0."""
         if self.joiner:
             run_dir = self._noted_run_dir()
-            return run_dir, self.cfg.checkpoint_dir or str(run_dir / "checkpoints")
+            return run_dir, self.cfg.checkpoint.dir or str(run_dir / "checkpoints")
         pids = control.all_gather_objects(os.getpid())  # generation 0's, for summary.json
         mine, folder = super().run_folder()
         if mine is not None:
@@ -209,16 +214,19 @@ class ElasticTrainer(Trainer):
         s.apply(LoopState(**loop))
         # its copy goes to the ring neighbour at once: another loss before the next boundary
         # would otherwise find the restored state nowhere
-        self.mgr.snapshot(step, s.model, s.optimizer, s.loop_state(gather=False).to_dict(),
-                          restored=True)  # fmt: skip
+        self.mgr.snapshot(
+            step, s.model, s.optimizer, s.loop_state(gather=False).to_dict(), restored=True
+        )
         return step
 
     def before_step(self, step: int) -> None:
         """The step boundary: the ring copies of the state after ``step - 1`` steps."""
         self.mgr.snapshot(
-            step - 1, self.state.model, self.state.optimizer,
+            step - 1,
+            self.state.model,
+            self.state.optimizer,
             self.state.loop_state(gather=False).to_dict(),
-        )  # fmt: skip
+        )
         super().before_step(step)
 
     def joining(self) -> Any:
@@ -244,8 +252,12 @@ class ElasticTrainer(Trainer):
         if isinstance(exc, (ConfigError, NonFiniteError, RunStopped)):
             raise exc  # not a lost rank: bad input, --on-nonfinite stop, a full disk
         if device_failed(exc):  # sticky: every later CUDA call of this process fails
-            print(f"fullshard: rank {self.rank}'s device failed ({_first_line(exc)}); this "
-                  "process ends, and is replaced", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"fullshard: rank {self.rank}'s device failed ({_first_line(exc)}); this "
+                "process ends, and is replaced",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(1) from None
         _drop_frames(exc)  # the failed step's frames hold its activations
         return self.recover(exc, step) + 1
@@ -316,8 +328,7 @@ class ElasticTrainer(Trainer):
             self.log.close()
             self.log = None
         self.losses.clear()  # the steps since the boundary are taken (and logged) again
-        self.book = StepBook(self.cfg, self.rank, self.scaler is None, self.log, self.losses,
-                             self.state.skipped)  # fmt: skip
+        self.book = self.step_book()
         self.last_step, self.last_t = done, time.perf_counter()
         if self.rank == 0:
             print(f"elastic: {self.mgr.changes[-1]}", flush=True)
@@ -386,8 +397,11 @@ def _next_membership(
     try:
         return mgr.recover(error)
     except JobFinished:  # left out of a smaller world, and it finished: not a failure
-        print(f"fullshard: member {mgr.member} was left out of the smaller world, and the job "
-              "finished without it", flush=True)  # fmt: skip
+        print(
+            f"fullshard: member {mgr.member} was left out of the smaller world, and the job "
+            "finished without it",
+            flush=True,
+        )
         raise SystemExit(0) from None
     except Lost as exc:
         _give_up(mgr, exc, newest_checkpoint)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from fullshard import get_state_dict, set_state_dict
+from fullshard.app.config import CheckpointConfig
 from fullshard.app.data.corpus import RankBatches
 from fullshard.app.errors import ConfigError
 from fullshard.app.train.verdict import DeviceSchedule
@@ -117,9 +118,14 @@ class TrainState:
             if self.device_schedule is not None:
                 applied = self.device_schedule.applied
         return LoopState(
-            self.step, control.world_size(), self.scheduler.state_dict(), samplers, rng,
-            list(self.skipped), applied,
-        )  # fmt: skip
+            self.step,
+            control.world_size(),
+            self.scheduler.state_dict(),
+            samplers,
+            rng,
+            list(self.skipped),
+            applied,
+        )
 
     def apply(self, loop: LoopState) -> None:
         """Continue from ``loop``: step, schedule (on the device too), sampler position (and,
@@ -167,19 +173,21 @@ class TrainCheckpoints:
         self,
         root: str,
         state: TrainState,
+        checkpoint: CheckpointConfig,
         *,
-        keep: int,
-        async_save: bool,
         hook: Callable[[str, int], None] | None = None,
     ) -> None:
+        """``checkpoint``: the ``[checkpoint]`` section (``--keep``, ``--async-save``);
+        ``root``: the folder the run's checkpoints go to."""
         self.root, self.state = root, state
+        keep, async_save = checkpoint.keep, checkpoint.async_save
         self.manager = CheckpointManager(root, keep=keep, async_save=async_save, hook=hook)
         self.last_saved = -1
 
     def save(self, step: int) -> str:
         """Checkpoint after ``step`` optimizer steps (committed atomically)."""
         self.last_saved = step
-        # (--optimizer: a resume with the other one is refused before launch, validate.py)
+        # (--optimizer: a resume with the other one is refused before launch, commands/train.py)
         optimizer = type(self.state.optimizer).__name__.lower()
         meta = {"world_size": control.world_size(), "optimizer": optimizer}
         return self.manager.save(step, self.state.state_dict(), meta=meta)

@@ -140,9 +140,14 @@ class Decider(Protocol):
         ...
 
     def step(
-        self, row: torch.Tensor, norm: torch.Tensor, votes: torch.Tensor, step: int, urgent: bool,
+        self,
+        row: torch.Tensor,
+        norm: torch.Tensor,
+        votes: torch.Tensor,
+        step: int,
+        urgent: bool,
         book: StepBook,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Clip, step the optimizer (or skip) and the schedule, and have ``book`` act on the
         verdicts read now (``urgent``: this step's own too). Whether this step is known now to
         have been skipped."""
@@ -162,9 +167,14 @@ class HostStep:
         return self.state.scheduler.get_last_lr()[0]
 
     def step(
-        self, row: torch.Tensor, norm: torch.Tensor, votes: torch.Tensor, step: int, urgent: bool,
+        self,
+        row: torch.Tensor,
+        norm: torch.Tensor,
+        votes: torch.Tensor,
+        step: int,
+        urgent: bool,
         book: StepBook,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         s = self.state
         bad = book.act(self.verdicts.push(step, row, now=urgent))
         if self.scaler is not None or not bad:
@@ -186,9 +196,12 @@ class DeviceStep:
     the host reads each row a step late (at once on urgent steps)."""
 
     def __init__(
-        self, state: TrainState, schedule: DeviceSchedule, scaler: ShardedGradScaler | None,
+        self,
+        state: TrainState,
+        schedule: DeviceSchedule,
+        scaler: ShardedGradScaler | None,
         clip: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.state, self.schedule, self.scaler, self.clip = state, schedule, scaler, clip
         self.verdicts = StepVerdicts(lag=1)
 
@@ -196,9 +209,14 @@ class DeviceStep:
         return self.schedule.lrs[0].clone()
 
     def step(
-        self, row: torch.Tensor, norm: torch.Tensor, votes: torch.Tensor, step: int, urgent: bool,
+        self,
+        row: torch.Tensor,
+        norm: torch.Tensor,
+        votes: torch.Tensor,
+        step: int,
+        urgent: bool,
         book: StepBook,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         s = self.state
         clip_gradients(s.model.parameters(), self.clip, norm)
         if self.scaler is not None:

@@ -26,6 +26,7 @@ from fullshard.app.config import TrainConfig, to_toml
 from fullshard.app.data.corpus import build_tokenizer, load_tokens
 from fullshard.app.dims import ParallelDims
 from fullshard.app.errors import RunStopped, resume_hint
+from fullshard.app.faults import fault_from_env
 from fullshard.app.launch.local import DistInfo, rank_session
 from fullshard.app.launch.preempt import (
     PREEMPTED_EXIT,
@@ -37,7 +38,6 @@ from fullshard.app.launch.preempt import (
 from fullshard.app.models.gpt import generate
 from fullshard.app.models.wrap import gradient_norm
 from fullshard.app.train.build import Built, RankData, build_rank, rank_data
-from fullshard.app.train.faults import agree_step, fault_from_env
 from fullshard.app.train.monitor import (
     MetricsLog,
     format_mem,
@@ -49,7 +49,7 @@ from fullshard.app.train.monitor import (
     record,
 )
 from fullshard.app.train.state import TrainCheckpoints
-from fullshard.app.train.verdict import StepBook
+from fullshard.app.train.verdict import StepBook, agree_step
 from fullshard.comm import control
 from fullshard.comm.runtime import runtime, runtime_from_env
 
@@ -59,11 +59,14 @@ __all__ = ["Trainer", "device_checks", "read_text", "train"]
 def train(cfg: TrainConfig, dims: ParallelDims) -> dict[str, Any]:
     """Run one training job on this rank; returns the run summary (on every rank).
 
-    ``cfg`` was validated (``fullshard.app.commands.validate.validate_train``, before launch);
+    ``cfg`` was validated (``fullshard.app.commands.train.validate``, before launch);
     ``dims``: the run's parallel dimensions. (``--elastic``: ``elastic.train_elastic``.)
     """
     tokenizer, tokens = read_text(cfg)
-    with rank_session(cfg.device, cfg.timeout, cfg.backend) as info, device_checks():
+    with (
+        rank_session(cfg.launch.device, cfg.launch.timeout, cfg.launch.backend) as info,
+        device_checks(),
+    ):
         trainer = Trainer(cfg, dims, info, rank_data(cfg, dims, tokenizer, tokens, info.rank))
         return trainer.train()
 
@@ -71,10 +74,10 @@ def train(cfg: TrainConfig, dims: ParallelDims) -> dict[str, Any]:
 def read_text(cfg: TrainConfig) -> tuple[Any, Any]:
     """The tokenizer and the corpus' tokens (a prepared folder is memory-mapped, not read),
     before the process group is joined."""
-    if cfg.deterministic:  # read when cuBLAS starts: before any CUDA work of this rank
+    if cfg.training.deterministic:  # read when cuBLAS starts: before any CUDA work of this rank
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    return tokenizer, load_tokens(cfg.data, tokenizer)
+    tokenizer = build_tokenizer(cfg.model.tokenizer)
+    return tokenizer, load_tokens(cfg.data.path, tokenizer)
 
 
 def device_checks() -> contextlib.AbstractContextManager[Any]:
@@ -92,7 +95,7 @@ class Trainer:
         self.cfg, self.dims, self.data = cfg, dims, data
         self.device, self.backend = info.device, info.backend
         if self.device.type == "cpu":
-            torch.set_num_threads(cfg.threads)
+            torch.set_num_threads(cfg.launch.threads)
         self.fault = fault_from_env()
         self.losses: list[float] = []
         self.host_syncs: dict[str, int] = {}  # under the CUDA emulation: step -> host syncs
@@ -105,8 +108,7 @@ class Trainer:
         self.run_dir, self.folder = self.run_folder()
         self.ckpt = self.checkpoints()
         self.done = self.start()  # the step this run starts after
-        self.book = StepBook(cfg, self.rank, self.scaler is None, self.log, self.losses,
-                             self.state.skipped)  # fmt: skip
+        self.book = self.step_book()
 
     # -- what a rank trains with, and where it starts -----------------------------------------
     def build(self, rank: int, world: int) -> None:
@@ -117,25 +119,30 @@ class Trainer:
         self.state, self.batches, self.decider = built.state, built.batches, built.decider
         self.scaler, self.plan, self.n_params = built.scaler, built.plan, built.n_params
 
+    def step_book(self) -> StepBook:
+        """What the host does with each step's verdict (``verdict.py``), for this train state."""
+        skips_itself = self.scaler is None
+        log, losses, skipped = self.log, self.losses, self.state.skipped
+        return StepBook(self.cfg.training, self.rank, skips_itself, log, losses, skipped)
+
     def checkpoints(self) -> TrainCheckpoints:
         """Saving and resuming this train state (a drill's faults hooked to the saves)."""
         fault = self.fault
         hook = None if fault is None else lambda point, step: fault.at_save(point, step, self.rank)
-        cfg = self.cfg
-        return TrainCheckpoints(self.folder, self.state, keep=cfg.keep, async_save=cfg.async_save,
-                                hook=hook)  # fmt: skip
+        return TrainCheckpoints(self.folder, self.state, self.cfg.checkpoint, hook=hook)
 
     def run_folder(self) -> tuple[Path | None, str]:
         """Rank 0's run folder (named by rank 0) and the checkpoint folder every rank uses."""
-        run_dir = make_run_dir(self.cfg.runs_dir, self.cfg.name) if self.rank == 0 else None
-        folder = self.cfg.checkpoint_dir or str((run_dir or Path()) / "checkpoints")
+        out = self.cfg.output
+        run_dir = make_run_dir(out.runs_dir, out.name) if self.rank == 0 else None
+        folder = self.cfg.checkpoint.dir or str((run_dir or Path()) / "checkpoints")
         return run_dir, control.broadcast_object(folder)
 
     def start(self) -> int:
         """Resume (``--resume``, or torchrun's restart from the latest checkpoint) and open
         the run's log on rank 0; the step to go on after."""
         cfg = self.cfg
-        resume = cfg.resume
+        resume = cfg.checkpoint.resume
         if resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             # restarted by torchrun after a failure: continue from the last complete checkpoint
             resume = "latest" if self.ckpt.resolve("latest") is not None else None
@@ -146,23 +153,28 @@ class Trainer:
             if done:
                 print(f"resumed from step {done} ({self.ckpt.resolve(resume or '')})", flush=True)
             self.announce()
-            self.bar = progress_bar(cfg.max_steps, done, cfg.progress)
+            self.bar = progress_bar(cfg.training.max_steps, done, cfg.output.progress)
         return done
 
     def announce(self) -> None:
         """Rank 0's run line: model, ranks, sharding, data, batches, run folder."""
-        cfg = self.cfg
-        tp = f", tensor parallel over {cfg.tp} ranks" if cfg.tp > 1 else ""
-        raf = cfg.reshard_after_forward
+        p = self.cfg.parallelism
+        tp = f", tensor parallel over {p.tp} ranks" if p.tp > 1 else ""
+        raf = p.reshard_after_forward
         options = "" if raf is None else f", --reshard-after-forward {raf} for the blocks"
-        options += ", CPU offload" if cfg.cpu_offload else ""
+        options += ", CPU offload" if p.cpu_offload else ""
         print(
-            f"fullshard train: {cfg.model} ({self.n_params / 1e6:.2f}M params), {self.world} "
+            f"fullshard train: {self.cfg.model.name} ({self.n_params / 1e6:.2f}M params), {self.world} "
             f"ranks ({self.backend}), {self.plan.summary()}{tp}{options}, "
             f"{self.data.tokens:,} tokens ({self.data.words}), {self.batches.describe()} -> run "
             f"folder {self.run_dir}",
             flush=True,
         )
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains on, over every rank."""
+        return self.cfg.training.batch_size * self.cfg.data.seq_len
 
     # -- the loop ----------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -177,20 +189,20 @@ class Trainer:
         with StopSignals() as self.signals:
             step = self.done + 1
             while True:
-                while step <= cfg.max_steps and not self.stopped:
+                while step <= cfg.training.max_steps and not self.stopped:
                     step = self.step_or_recover(step)
                 wall = time.perf_counter() - self.start_t
-                if self.stopped or self.ckpt.last_saved == cfg.max_steps:
+                if self.stopped or self.ckpt.last_saved == cfg.training.max_steps:
                     break
                 # the finished run's weights (resume, export); --elastic goes back to the
                 # boundary it restored when a rank is lost in this save
-                step = self.save_or_recover(cfg.max_steps)
-                if step > cfg.max_steps:
+                step = self.save_or_recover(cfg.training.max_steps)
+                if step > cfg.training.max_steps:
                     break
             if self.bar is not None:
                 self.bar.close()
             self.ckpt.wait()
-        sample = self.sample() if cfg.sample_tokens > 0 and not self.stopped else ""
+        sample = self.sample() if cfg.output.sample_tokens > 0 and not self.stopped else ""
         summary = self.summary(wall)
         self.write_outputs(summary, sample, wall)
         return summary
@@ -230,21 +242,21 @@ class Trainer:
 
     def take_step(self, step: int) -> None:
         """One step and what follows it: a checkpoint, a logged line, a stop."""
-        cfg = self.cfg
+        out, ck, last = self.cfg.output, self.cfg.checkpoint, self.cfg.training.max_steps
         self.before_step(step)
         poison = self.fault is not None and self.fault.at_step(step, self.rank, self.joining())
-        is_eval = step == cfg.max_steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
-        logged = step == 1 or step % cfg.log_every == 0 or is_eval
-        save = cfg.save_every > 0 and step % cfg.save_every == 0
-        stop_after = cfg.stop_after > 0 and step - self.done >= cfg.stop_after
+        is_eval = step == last or (out.eval_every > 0 and step % out.eval_every == 0)
+        logged = step == 1 or step % out.log_every == 0 or is_eval
+        save = ck.save_every > 0 and step % ck.save_every == 0
+        stop_after = ck.stop_after > 0 and step - self.done >= ck.stop_after
         # NOTE [The step's verdict on the device]: which steps read their own verdict at once
-        urgent = logged or save or stop_after or cfg.on_nonfinite == "stop"
+        urgent = logged or save or stop_after or self.cfg.training.on_nonfinite == "stop"
         lr = self.decider.lr()
         bad = self.train_step(step, poison, urgent)
         self.state.step = step
         if save:
             self.save(step)
-        self.stopped = self.book.preempted or (stop_after and step < cfg.max_steps)
+        self.stopped = self.book.preempted or (stop_after and step < last)
         if not bad and (logged or self.stopped):
             self.log_step(step, lr, is_eval)
         elif self.bar is not None:
@@ -292,14 +304,22 @@ class Trainer:
         mem = gather_memory(self.device)
         self.val_loss = self.batches.evaluate(self.state.model) if is_eval else None
         now = time.perf_counter()
-        tok_s = cfg.batch_size * cfg.seq_len * (step - self.last_step) / (now - self.last_t)
+        tok_s = self.tokens_per_step * (step - self.last_step) / (now - self.last_t)
         self.last_step, self.last_t = step, now
         self.first_loss = mean_loss if math.isnan(self.first_loss) else self.first_loss
         self.last_loss = mean_loss
         val = "" if self.val_loss is None else f" | val_loss {self.val_loss:.4f}"
         if self.log is not None:
-            line = record(step, mean_loss, float(lr), book.grad_norm, tok_s, now - self.start_t,
-                          mem, self.val_loss)  # fmt: skip
+            line = record(
+                step,
+                mean_loss,
+                float(lr),
+                book.grad_norm,
+                tok_s,
+                now - self.start_t,
+                mem,
+                self.val_loss,
+            )
             self.log.write(line)
         if self.bar is not None and not self.bar.disable:
             self.bar.set_postfix_str(
@@ -309,7 +329,7 @@ class Trainer:
             if val:
                 self.bar.write(f"step {step}: {val[3:]}")
         elif self.rank == 0:  # no bar on screen: a plain line per logged step
-            line_text = log_line(step, cfg.max_steps, mean_loss, tok_s, format_mem(mem))
+            line_text = log_line(step, cfg.training.max_steps, mean_loss, tok_s, format_mem(mem))
             print(line_text + val, flush=True)
 
     def stop(self, step: int) -> None:
@@ -336,24 +356,27 @@ class Trainer:
         """A sample of the trained model, the same on every rank (the same seeded generator
         and shapes: every forward gathers). Its context stays inside the positions trained
         (``--seq-len``): the model was never trained to read further back."""
-        cfg = self.cfg
-        gen = torch.Generator().manual_seed(cfg.seed)
-        ids = self.data.tokenizer.encode(cfg.prompt) or [0]
+        out = self.cfg.output
+        gen = torch.Generator().manual_seed(self.cfg.training.seed)
+        ids = self.data.tokenizer.encode(out.prompt) or [0]
         prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
-        out = generate(self.state.model, prompt, cfg.sample_tokens, cfg.temperature,
-                       cfg.top_k or None, generator=gen, context=cfg.seq_len)  # fmt: skip
-        return str(self.data.tokenizer.decode(out.tolist()))
+        top_k, context = out.top_k or None, self.cfg.data.seq_len
+        model = self.state.model
+        sampled = generate(
+            model, prompt, out.sample_tokens, out.temperature, top_k, generator=gen, context=context
+        )
+        return str(self.data.tokenizer.decode(sampled.tolist()))
 
     def summary(self, wall: float) -> dict[str, Any]:
         cfg, step = self.cfg, self.state.step
         preempted = self.book.preempted
         summary = {
-            "model": cfg.model,
+            "model": cfg.model.name,
             "params": self.n_params,
             "world_size": self.world,
-            "strategy": cfg.strategy,
-            "deterministic": cfg.deterministic,
-            "steps": cfg.max_steps,
+            "strategy": cfg.parallelism.strategy,
+            "deterministic": cfg.training.deterministic,
+            "steps": cfg.training.max_steps,
             "stopped_after": step if self.stopped and not preempted else None,
             "preempted_after": step if preempted else None,
             "resumed_from": self.done or None,  # a checkpoint read from disk
@@ -362,7 +385,7 @@ class Trainer:
             "end_loss": self.last_loss,
             "final_val_loss": self.val_loss,
             "train_wall_s": round(wall, 2),
-            "tokens_per_s": round(cfg.batch_size * cfg.seq_len * (step - self.done) / wall, 1),
+            "tokens_per_s": round(self.tokens_per_step * (step - self.done) / wall, 1),
             "data_state": self.state.sampler.state_dict(),
             # torchrun's restarts of every rank (--max-restarts); --elastic's survivors go on
             "process_restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
@@ -389,7 +412,7 @@ class Trainer:
         if summary["preempted_after"] is not None:  # the one line is out: the run goes on later
             return
         cfg = self.cfg
-        title = f"{cfg.model} on {self.world} ranks ({cfg.strategy})"
+        title = f"{cfg.model.name} on {self.world} ranks ({cfg.parallelism.strategy})"
         plot_losses(self.log.records, self.run_dir / "loss.png", title)
         (self.run_dir / "sample.txt").write_text(sample, encoding="utf-8")
         val = self.val_loss if self.val_loss is None else round(self.val_loss, 4)

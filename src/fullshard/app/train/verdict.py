@@ -1,4 +1,6 @@
-"""The step's verdict: its loss, gradient norm, non-finite and stop votes, read on the host.
+"""The step's verdict: its loss, gradient norm, non-finite and stop votes (``agree_step``, the
+one all-reduce every rank votes in), read on the host; the non-finite step policy
+(``--on-nonfinite``: skip, or stop with :class:`NonFiniteError`).
 
 NOTE [The step's verdict on the device]
 Every step ends in four device values: the loss, the global gradient norm, the non-finite vote
@@ -40,15 +42,40 @@ from typing import Any
 
 import torch
 
+from fullshard.app.config import TrainingConfig
+from fullshard.comm import control
 from fullshard.comm.device import new_event
+from fullshard.policies import FullshardError
 
 __all__ = [
     "DeviceSchedule",
+    "NonFiniteError",
     "StepBook",
     "StepVerdicts",
     "Verdict",
+    "agree_step",
     "fused_adamw_available",
 ]
+
+
+class NonFiniteError(FullshardError):
+    """A step produced a non-finite loss or gradient and ``--on-nonfinite stop`` was asked."""
+
+
+def agree_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """``[non-finite, stop]``, the same on every rank: 1.0 in the first if any rank's loss or
+    the global gradient norm is not finite; in the second the largest of the ranks' ``stop``
+    flags (this rank's: 0, or the number of the stop signal it got; NOTE [Preemption]).
+
+    One MAX all-reduce for both verdicts, on the device (no host read here): every rank skips
+    the same step and stops after the same step, and the caller reads the votes together with
+    the step's other figures in the step's one synchronisation. The gradient norm is already
+    global (``clip_grad_norm_`` all-reduces it); voting on it too costs nothing. ``stop`` must
+    already be on the device (filled there, not copied from the host).
+    """
+    finite = torch.isfinite(loss.detach()).all() & torch.isfinite(grad_norm.detach()).all()
+    votes = torch.cat([(~finite).to(torch.float64).reshape(1), stop.to(torch.float64).reshape(1)])
+    return control.all_reduce_values(votes, "max", what="step vote all-reduce")
 
 
 @dataclass
@@ -104,14 +131,14 @@ class StepBook:
 
     def __init__(
         self,
-        cfg: Any,
+        training: TrainingConfig,
         rank: int,
         skips_itself: bool,
         log: Any,
         losses: list[float],
         skipped: list[int],
     ) -> None:
-        self.cfg, self.rank, self.skips_itself, self.log = cfg, rank, skips_itself, log
+        self.training, self.rank, self.skips_itself, self.log = training, rank, skips_itself, log
         self.losses, self.skipped = losses, skipped
         self.preempted, self.stop, self.grad_norm = False, 0.0, float("nan")
 
@@ -123,16 +150,14 @@ class StepBook:
             bad = self.skips_itself and v.nonfinite
             self.grad_norm = v.grad_norm
             # a signal after the last step's vote changes nothing: the run is complete
-            if v.stop > 0 and v.step < self.cfg.max_steps:
+            if v.stop > 0 and v.step < self.training.max_steps:
                 self.preempted, self.stop = True, v.stop
             if not bad:
                 self.losses.append(v.loss)
                 continue
             # every rank reached the same verdict: no rank's parameters change that step
             self.skipped.append(v.step)
-            if self.cfg.on_nonfinite == "stop":
-                from fullshard.app.train.faults import NonFiniteError
-
+            if self.training.on_nonfinite == "stop":
                 raise NonFiniteError(
                     f"rank {self.rank}: step {v.step} produced a non-finite loss or gradient "
                     f"(loss {v.loss}, gradient norm {v.grad_norm}); stopping "

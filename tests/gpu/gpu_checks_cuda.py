@@ -1,4 +1,4 @@
-"""The CUDA-path checks of ``scripts/gpu_check.py`` (issue 21), and the subprocess two of them run.
+"""The CUDA-path checks of the GPU checks (``gpu_check.py``) (issue 21), and the subprocess two of them run.
 
 - ``<group>.bf16_offload``, in a group's spawned ranks (``run_rank``, as ``gpu_check_ranks``):
   bf16 parameters *and* reduce (``MixedPrecisionPolicy(param_dtype=bf16)``, no ``reduce_dtype``)
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
+SRC = HERE.parents[1] / "src"
 for _p in (str(SRC), str(HERE)):  # this checkout's fullshard, and gpu_check_ranks
     if _p not in sys.path:
         sys.path.insert(0, _p)
@@ -266,7 +266,7 @@ def run_group(
                 outs[r],
                 checks,
                 collective_timeout_s,
-            ),  # fmt: skip
+            ),
         )
         for r in range(world)
     ]
@@ -369,9 +369,15 @@ def _csan_main(args: argparse.Namespace) -> int:
     names = [f"step.{c}" for c in step_configs(args.world)]
     work = Path(tempfile.mkdtemp(prefix="csan-", dir=args.work))
     results = run_group(
-        args.backend, args.device, args.world, names, work,
-        time.monotonic() + args.timeout, target=target, collective_timeout_s=60.0,
-    )  # fmt: skip
+        args.backend,
+        args.device,
+        args.world,
+        names,
+        work,
+        time.monotonic() + args.timeout,
+        target=target,
+        collective_timeout_s=60.0,
+    )
     Path(args.out).write_text(json.dumps(results))
     return 0 if results and all(r[1] for r in results) else 1
 
@@ -508,9 +514,13 @@ def fake_checks(device_type: str, world: int, rank: int) -> list[Result]:
 
 
 def fake_verdicts(
-    runs: dict[str, dict[str, Any]], device_type: str, rank: int, world: int, path: str,
+    runs: dict[str, dict[str, Any]],
+    device_type: str,
+    rank: int,
+    world: int,
+    path: str,
     traced: bool,
-) -> list[tuple[str, bool | None, str]]:  # fmt: skip
+) -> list[tuple[str, bool | None, str]]:
     """``fake<world>.steps`` and ``fake<world>.no_host_sync`` from each configuration's run."""
     prefix = f"fake{world}."
     errors = [f"{c}: {r['error']}" for c, r in runs.items() if "error" in r]

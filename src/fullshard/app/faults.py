@@ -1,4 +1,5 @@
-"""Fault injection for ``fullshard train`` (tests and drills), and the non-finite step policy.
+"""Fault injection for ``fullshard train`` (tests and drills): what the ranks and the launcher
+do when ``FULLSHARD_FAULT`` asks them to misbehave.
 
 ``FULLSHARD_FAULT="KIND:rank=R:step=S"`` makes rank R misbehave at the start of step S:
 
@@ -55,24 +56,27 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import torch
-
-from fullshard.comm import control
 from fullshard.policies import FullshardError
 
-__all__ = ["Fault", "Faults", "NonFiniteError", "agree_step", "fault_from_env"]
+__all__ = ["LAUNCHER_PID_ENV", "Fault", "Faults", "fault_from_env"]
 
-KINDS = ("kill", "node", "hang", "freeze", "hold", "nan", "signal", "cudaerror", "launcher",
-         "diskfull")  # fmt: skip
+KINDS = (
+    "kill",
+    "node",
+    "hang",
+    "freeze",
+    "hold",
+    "nan",
+    "signal",
+    "cudaerror",
+    "launcher",
+    "diskfull",
+)
 AT_RECOVERY = ("kill", "node", "hang", "freeze")  # the kinds that may fire at another moment
 MOMENTS = ("step", "recovery", "generation", "save", "commit")
 LAUNCHER_PID_ENV = (
     "FULLSHARD_LAUNCHER_PID"  # fullshard's --elastic launcher's pid, for ``launcher``
 )
-
-
-class NonFiniteError(FullshardError):
-    """A step produced a non-finite loss or gradient and ``--on-nonfinite stop`` was asked."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +106,10 @@ class Fault:
         ``rank`` (its rank in the generation that failed) recovers from a failure in step
         ``failed_step``."""
         if self.at == moment and rank == self.rank and failed_step >= self.step:
-            print(f"[fault] rank {rank} is lost while recovering from step {failed_step} "
-                  f"({moment})", flush=True)  # fmt: skip
+            print(
+                f"[fault] rank {rank} is lost while recovering from step {failed_step} ({moment})",
+                flush=True,
+            )
             self._apply(failed_step, rank, None)
 
     def at_save(self, point: str, step: int, rank: int) -> None:
@@ -113,13 +119,16 @@ class Fault:
         if step != self.step or rank != self.rank:
             return
         if point == "write" and self.kind == "diskfull":
-            print(f"[fault] rank {rank}'s disk is full as it writes step {step}'s checkpoint",
-                  flush=True)  # fmt: skip
+            print(
+                f"[fault] rank {rank}'s disk is full as it writes step {step}'s checkpoint",
+                flush=True,
+            )
             raise OSError(errno.ENOSPC, "No space left on device (a drill)")
         moment = {"written": "save", "metadata": "commit"}.get(point)
         if moment is not None and self.at == moment:
-            print(f"[fault] rank {rank} is lost during step {step}'s checkpoint ({point})",
-                  flush=True)  # fmt: skip
+            print(
+                f"[fault] rank {rank} is lost during step {step}'s checkpoint ({point})", flush=True
+            )
             self._apply(step, rank, None)
 
     def _apply(self, step: int, rank: int, joining: Callable[[], bool] | None) -> bool:
@@ -249,19 +258,3 @@ def _parse(spec: str) -> Fault:
         at,
         values.get("again", "0") == "1",
     )
-
-
-def agree_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
-    """``[non-finite, stop]``, the same on every rank: 1.0 in the first if any rank's loss or
-    the global gradient norm is not finite; in the second the largest of the ranks' ``stop``
-    flags (this rank's: 0, or the number of the stop signal it got; NOTE [Preemption]).
-
-    One MAX all-reduce for both verdicts, on the device (no host read here): every rank skips
-    the same step and stops after the same step, and the caller reads the votes together with
-    the step's other figures in the step's one synchronisation. The gradient norm is already
-    global (``clip_grad_norm_`` all-reduces it); voting on it too costs nothing. ``stop`` must
-    already be on the device (filled there, not copied from the host).
-    """
-    finite = torch.isfinite(loss.detach()).all() & torch.isfinite(grad_norm.detach()).all()
-    votes = torch.cat([(~finite).to(torch.float64).reshape(1), stop.to(torch.float64).reshape(1)])
-    return control.all_reduce_values(votes, "max", what="step vote all-reduce")

@@ -12,7 +12,7 @@ A B C D ... and taking medians:
   buffer, one all-gather, copy out.
 - ``per-param``: one all-gather per parameter (no copies, many small collectives).
 
-Usage: ``python scripts/bench_layout.py [--dim 256] [--iters 30] [--out docs/layout_bench.json]``
+Usage: ``python benchmarks/bench_layout.py [--dim 256] [--iters 30] [--out docs/layout_bench.json]``
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ the variants round by round and taking medians:
 
 No collective runs: the collectives move the same bytes either way (Shard(1) has no padding).
 
-Usage: ``python scripts/bench_shard_dim.py [--dim 768] [--worlds 2,4,8] [--rounds 15]
+Usage: ``python benchmarks/bench_shard_dim.py [--dim 768] [--worlds 2,4,8] [--rounds 15]
 [--device cpu] [--out docs/bench/shard_dim.json]``
 """
 

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python scripts/bench_prepare.py                       # 1 GB corpus (the lead's measurement)
-    python scripts/bench_prepare.py --size-mb 20 --small-mb 5 --out /tmp/prepare.json   # a check
+    python benchmarks/bench_prepare.py                       # 1 GB corpus (the lead's measurement)
+    python benchmarks/bench_prepare.py --size-mb 20 --small-mb 5 --out /tmp/prepare.json   # a check
 
 1. Generates a synthetic corpus of ``--size-mb`` MB (deterministic word-like text: words drawn
    from a fixed vocabulary of made-up words, with lines and paragraphs; written in chunks to a
@@ -177,11 +177,25 @@ def _rank_peaks(pid: int, peaks: dict[int, float], stop: threading.Event) -> Non
 def run_train(data: Path, work: Path, name: str, nproc: int, model: str) -> dict[str, Any]:
     """Train a few steps from ``data``; start-up time and per-rank memory."""
     cmd = [
-        sys.executable, "-m", "fullshard.app.cli", "train", "--data", str(data), "--model", model,
-        "--nproc", str(nproc), "--max-steps", "2", "--log-every", "1", "--eval-every", "0",
-        "--eval-batches", "1", "--batch-size", str(4 * nproc), "--seq-len", "128",
-        "--sample-tokens", "0", "--no-progress", "--runs-dir", str(work / "runs"), "--name", name,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "fullshard.app.cli",
+        "train",
+        "--data",
+        str(data),
+        "--model",
+        model,
+        "--nproc",
+        str(nproc),
+        *["--max-steps", "2", "--log-every", "1", "--eval-every", "0"],
+        *["--eval-batches", "1", "--batch-size"],
+        str(4 * nproc),
+        *["--seq-len", "128", "--sample-tokens", "0", "--no-progress"],
+        "--runs-dir",
+        str(work / "runs"),
+        "--name",
+        name,
+    ]
     shutil.rmtree(work / "runs" / name, ignore_errors=True)
     start = time.perf_counter()
     proc = subprocess.Popen(

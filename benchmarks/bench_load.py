@@ -1,6 +1,6 @@
 """Peak host memory per rank of loading a Hugging Face checkpoint: sharded vs full load.
 
-Usage: ``python scripts/bench_load.py [--nprocs 2,4] [--out docs/bench/load.json]
+Usage: ``python benchmarks/bench_load.py [--nprocs 2,4] [--out docs/bench/load.json]
 [--checkpoint DIR] [--layers 12]``
 
 Writes a GPT-2 124M-shaped safetensors checkpoint (``transformers`` GPT2 config: n_embd 768,
@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, store: str, folder: str, mode: str, results: 
     import torch.distributed as dist
     import transformers  # noqa: F401  # imported before the baseline: both methods need it
 
+    from fullshard.app.config import ParallelismConfig
     from fullshard.app.models.gpt import unit_types_of
     from fullshard.app.models.hf import build_hf_model
     from fullshard.app.models.wrap import shard_model
@@ -66,7 +67,7 @@ def _worker(rank: int, world: int, store: str, folder: str, mode: str, results: 
     baseline = _peak_mib()
     t0 = time.perf_counter()
     model = build_hf_model(folder, None, lazy_weights=mode == "sharded")
-    shard_model(model, "full_shard", unit_types_of(model))  # loads a lazily built model
+    shard_model(model, ParallelismConfig(), unit_types_of(model))  # loads a lazily built model
     seconds = time.perf_counter() - t0
     peak = _peak_mib()
     digest = hashlib.sha256()

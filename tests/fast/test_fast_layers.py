@@ -1,8 +1,12 @@
-"""Imports run downward: each module imports only from its own layer or the ones below it.
+"""Imports run downward: each module imports only from its own layer or the ones below it, and
+inside the application (layer 11) each part only from the parts below it.
 
 Layers are numbered in docs/design.md ("Layers"); a module says its layer in the first lines of
-its docstring, "(layer N)", or inherits its package's. Lazy imports inside functions count too.
-This reads the source (no import), so it runs in milliseconds.
+its docstring, "(layer N)", or inherits its package's. The application's parts (``errors``,
+``config``, ``train/``, ``commands/``, ``cli``, ...) are ordered in ``fullshard/app/__init__.py``'s
+docstring, ground first ("Inside the application" in docs/design.md): an import of a later part
+runs upward. Lazy imports inside functions and ``TYPE_CHECKING`` imports count too. This reads
+the source (no import), so it runs in milliseconds.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.fast
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "fullshard"
 TOP = 11  # the package's __init__: the public surface, which only the applications may import
 
@@ -93,6 +97,69 @@ def test_nothing_below_the_applications_imports_them() -> None:
         for line, target in _imports(path):
             assert not target.startswith("fullshard.app"), f"{name}:{line} imports {target}"
         assert "argparse" not in path.read_text(encoding="utf-8"), f"{name} holds a CLI"
+
+
+APP = PACKAGE / "app"
+
+
+def app_order(init: Path = APP / "__init__.py") -> list[str]:
+    """The application's parts, ground first, as its ``__init__`` docstring lists them: the
+    ````names```` of the paragraph after "ground first"."""
+    doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+    _, found, rest = doc.partition("ground first")
+    assert found, f"{init} lists no order of its parts ('ground first')"
+    return re.findall(r"``(\w+)``", rest.split("\n\n")[0])
+
+
+def _part(module: str) -> str | None:
+    """``train`` for ``fullshard.app.train.trainer``, ``cli`` for ``fullshard.app.cli``."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["fullshard", "app"] and len(parts) > 2 else None
+
+
+def app_upward_imports(root: Path = APP) -> list[str]:
+    """Each import of a later part of the application from an earlier one."""
+    order = app_order(root / "__init__.py")
+    rank = {name: i for i, name in enumerate(order)}
+    modules = {p.stem for p in root.glob("*.py") if p.stem != "__init__"}
+    parts = modules | {d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("_")}
+    unlisted = sorted(parts - set(rank))
+    assert not unlisted, f"parts of the application in no order ({root}/__init__.py): {unlisted}"
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        mine = _part("fullshard.app." + ".".join(path.relative_to(root).with_suffix("").parts))
+        if mine is None or mine == "__init__":
+            continue
+        for line, target in _imports(path):
+            theirs = _part(target)
+            if theirs in rank and rank[theirs] > rank[mine]:
+                where = path.relative_to(root.parent.parent)
+                wrong.append(f"{where}:{line} ({mine}) imports {target} ({theirs}, above it)")
+    return wrong
+
+
+def test_the_application_parts_import_downward() -> None:
+    order = app_order()
+    assert order[0] == "errors" and order[-1] == "cli" and "train" in order
+    wrong = app_upward_imports()
+    assert not wrong, "imports that run upward inside the application:\n" + "\n".join(wrong)
+
+
+def test_the_app_order_checker_sees_an_upward_import(tmp_path: Path) -> None:
+    app = tmp_path / "fullshard" / "app"
+    (app / "train").mkdir(parents=True)
+    (app / "launch").mkdir()
+    (app / "__init__.py").write_text(
+        '"""x.\n\nIts parts, ground first:\n``launch``, ``train``.\n"""\n'
+    )
+    (app / "train" / "trainer.py").write_text("from fullshard.app.launch.local import f\n")
+    (app / "launch" / "local.py").write_text(
+        "def f():\n    from fullshard.app.train import faults\n"
+    )
+    assert app_order(app / "__init__.py") == ["launch", "train"]
+    assert app_upward_imports(app) == [
+        "fullshard/app/launch/local.py:2 (launch) imports fullshard.app.train (train, above it)"
+    ]
 
 
 def test_the_layer_checker_sees_an_upward_import(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Checkpoint save/load time and size for a built-in model (the figures in the issue notes).
 
-Usage: ``python scripts/bench_checkpoint.py [--model demo] [--nproc 2] [--repeats 3]``
+Usage: ``python benchmarks/bench_checkpoint.py [--model demo] [--nproc 2] [--repeats 3]``
 
 Each rank (gloo, 1 thread) builds the model, shards it (FULL_SHARD), takes one AdamW step (so
 the optimizer state exists), then times, as medians over ``--repeats``: a synchronous save
@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fullshard import get_state_dict, set_state_dict
+from fullshard.app.config import ParallelismConfig
 from fullshard.app.models.gpt import build_model, count_params, lm_loss, unit_types_of
 from fullshard.app.models.wrap import shard_model
 from fullshard.checkpoint import CheckpointManager
@@ -40,7 +41,7 @@ def _worker(rank: int, world: int, tmp: str, args: argparse.Namespace) -> None:
     )
     model = build_model(args.model, 256, seed=0)
     params = count_params(model)
-    shard_model(model, "full_shard", unit_types_of(model))
+    shard_model(model, ParallelismConfig(), unit_types_of(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(256, (2, 65))
     lm_loss(model, x).backward()

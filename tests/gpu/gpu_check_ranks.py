@@ -1,4 +1,4 @@
-"""The multi-rank half of ``scripts/gpu_check.py``: checks that run inside N spawned ranks.
+"""The multi-rank half of the GPU checks (``gpu_check.py``): checks that run inside N spawned ranks.
 
 A *group* is one process group: a backend, a world size and a device (NCCL one GPU per rank;
 gloo with every rank on ``cuda:0``; gloo on the CPU for ``--cpu``). Each rank runs the group's

@@ -19,7 +19,7 @@ in the exchange (waits included). One unsharded process's Muon step on the same 
 0 alone, the other ranks waiting: "x 1-proc" divides by it), and before the ranks start in this
 process (one thread, as each rank). Prints a table and writes ``--out`` (JSON).
 
-    python scripts/bench_muon.py --nproc 2 4 --out docs/muon_bench.json
+    python benchmarks/bench_muon.py --nproc 2 4 --out docs/muon_bench.json
 """
 
 from __future__ import annotations
@@ -223,9 +223,12 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, result: s
     for variant in VARIANTS:
         figures[variant]["opt_step_cpu_ms"] = statistics.median(opt_cpu[variant])
     mine = {
-        "opt_ms": opt_ms, "whole_ms": whole_ms, "figures": figures, "alone_ms": alone_ms,
+        "opt_ms": opt_ms,
+        "whole_ms": whole_ms,
+        "figures": figures,
+        "alone_ms": alone_ms,
         "alone_cpu_ms": alone_cpu,
-    }  # fmt: skip
+    }
     every = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
@@ -269,12 +272,16 @@ def main() -> int:
     from fullshard.optim.exchange import ns_flops
 
     res: dict[str, Any] = {
-        "units": args.units, "dim": args.dim, "rows_per_rank": args.rows, "rounds": args.rounds,
-        "torch": torch.__version__, "threads_per_process": 1,
+        "units": args.units,
+        "dim": args.dim,
+        "rows_per_rank": args.rows,
+        "rounds": args.rounds,
+        "torch": torch.__version__,
+        "threads_per_process": 1,
         "one_process": one_process(args),
         "ns_flops_total": args.units * ns_flops((args.dim, args.dim), 5),
         "params_bytes": args.units * args.dim * args.dim * 4,
-    }  # fmt: skip
+    }
     for world in args.nproc:
         with tempfile.TemporaryDirectory() as tmp:
             result = os.path.join(tmp, "result.json")
