@@ -4,7 +4,7 @@ per unit in a steady-state step, held to a budget.
 A step's host work is what decides host-bound GPU runs, and a clock cannot guard it in a test
 (a shared machine's timings move by tens of percent). A count can: every call whose code lives
 in the ``fullshard`` package (``sys.setprofile``: calls, not time) during one step (forward,
-backward, an AdamW ``foreach`` step, ``zero_grad``) of the model ``scripts/bench_host_overhead.py``
+backward, an AdamW ``foreach`` step, ``zero_grad``) of the model ``benchmarks/bench_host_overhead.py``
 times, 32 units of Linear(64)-GELU-Linear(64) at rank 0 of 8 on the fake group. The count is
 the same at every steady step (asserted), so the budgets below are exact to the call: a change
 that adds one call per unit to the steady step fails here. Lower a budget when a change saves
@@ -24,7 +24,7 @@ import torch
 
 import fullshard
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from bench_host_overhead import DIM, UNITS, build  # noqa: E402  (the model the bench times)
 
 pytestmark = pytest.mark.fast

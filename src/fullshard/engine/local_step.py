@@ -4,7 +4,7 @@ speed during them.
 NOTE [Local optimizer steps]
 A torch optimizer over DTensor parameters dispatches every op of its step through DTensor:
 on the bench model (101 parameters) AdamW's foreach step took 8% longer than over plain
-tensors viewing the same shards (``scripts/bench_optim.py``), as FSDP2's does. For optimizers
+tensors viewing the same shards (``benchmarks/bench_optim.py``), as FSDP2's does. For optimizers
 whose update is elementwise (SGD, Adam, AdamW, ...), the rows a rank holds are updated exactly
 as the whole tensor would be (one exception: torch's CPU ``fused=True`` kernels compute the
 elements past a tensor's last full vector in double precision, so there the bits depend on the

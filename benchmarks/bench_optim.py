@@ -13,7 +13,7 @@ Each with ``foreach`` (torch's default) and ``fused``. Rounds alternate the vari
 ...); the figure is the median step time of rank 0, in ms. Writes ``--out`` (JSON) and prints a
 table.
 
-    python scripts/bench_optim.py --model small --rounds 30 --out docs/optim_step_small.json
+    python benchmarks/bench_optim.py --model small --rounds 30 --out docs/optim_step_small.json
 """
 
 from __future__ import annotations

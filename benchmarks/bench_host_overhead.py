@@ -40,7 +40,7 @@ overhead (autograd running the hooks' nodes, the optimizer hooks). ``--profile N
 fullshard steps under cProfile at the first world size and prints fullshard's own functions,
 top 25 by cumulative and by own time, per unit per step.
 
-    PYTHONPATH=src .venv/bin/python scripts/bench_host_overhead.py --world 8,64 --hooks 40
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_host_overhead.py --world 8,64 --hooks 40
 """
 
 from __future__ import annotations
