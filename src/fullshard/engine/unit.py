@@ -672,9 +672,11 @@ class CommUnit:
         the hook; returns what the shard is now divided by."""
         assert self.all_reduce_hook is not None
         seen = hook_divisor(
-            self.mesh.data_parallel_size, self.reduce_dtype, self.divide_factor,
+            self.mesh.data_parallel_size,
+            self.reduce_dtype,
+            self.divide_factor,
             self.force_sum_reduction,
-        )  # fmt: skip
+        )
         if seen != divided:
             shard.div_(seen / divided)
         run_all_reduce_hook(
