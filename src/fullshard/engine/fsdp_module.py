@@ -19,8 +19,7 @@ from torch import nn
 from fullshard.engine.fsdp2_interop import TORCH_FSDP_MODULE
 from fullshard.engine.hooks import FSDPState, outside_compile
 from fullshard.engine.schedule import StepSchedule
-from fullshard.engine.unit import CommUnit
-from fullshard.engine.unit_parts import refuse_narrow_fixed_order
+from fullshard.engine.unit import CommUnit, refuse_narrow_fixed_order
 from fullshard.policies import (
     FullshardAssertionError,
     FullshardError,
@@ -377,7 +376,7 @@ class FSDPModule:
     ) -> None:
         """``hook(reduce_output)`` runs on this unit's reduced gradient shard every reduction:
         after the reduce-scatter (1-D mesh) or after the HSDP all-reduce (2-D mesh). It sees
-        what FSDP2's hook sees (NOTE [What the all-reduce hook sees] in unit_parts.py): the
+        what FSDP2's hook sees (NOTE [What the all-reduce hook sees] in unit.py): the
         average in fp32/bf16, the sum divided by FSDP2's pre-factor in other dtypes or after
         ``set_force_sum_reduction_for_comms(True)``; what it writes in place is then divided by
         the rest. ``stream``: where it runs (not with HSDP, whose hook runs where the

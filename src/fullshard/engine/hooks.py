@@ -104,8 +104,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fullshard.engine.fsdp2_interop import ParamGroupView, StateContextView
 from fullshard.engine.schedule import ExplicitPrefetch, StepSchedule
-from fullshard.engine.unit import CommUnit
-from fullshard.engine.unit_parts import UnitState
+from fullshard.engine.unit import CommUnit, UnitState
 from fullshard.policies import FullshardError, Phase, SharedParameterError, fsdp2_words
 
 if TYPE_CHECKING:

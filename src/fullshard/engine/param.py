@@ -3,7 +3,7 @@
 
 Almost every unit has one dtype, hence one ``ShardGroup``. A unit that mixes dtypes (fp32 LoRA
 adapters on a bf16 base) has one group per dtype; they still travel in one collective
-(NOTE [Mixed-dtype units] in unit_parts.py). A group builds its flat buffer from full tensors
+(NOTE [Mixed-dtype units] in unit.py). A group builds its flat buffer from full tensors
 (``load``), notices when ``_apply`` (``to_empty``, ``.to()``) replaced the shards
 (``detached``) and copies them back (``reattach``), and owns the gathered storage whose views the
 modules see while the unit is gathered. Parameters gathered through FSDP2's all-gather

@@ -111,8 +111,7 @@ from fullshard.comm.desync import (
     store_round,
 )
 from fullshard.comm.device import cuda_semantics
-from fullshard.engine.unit import CommUnit
-from fullshard.engine.unit_parts import UnitState
+from fullshard.engine.unit import CommUnit, UnitState
 from fullshard.policies import Phase
 
 _SHARDED = UnitState.SHARDED  # a unit holding no gathered memory

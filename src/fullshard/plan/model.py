@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fullshard.engine.sharding import UnitPlan, plan_sharding
-from fullshard.engine.unit_parts import unit_layout
+from fullshard.engine.unit import unit_layout
 from fullshard.plan.accounting import Plan, build_plan, korthikanti_activation_bytes
 from fullshard.plan.activations import UnitActivations, analytic_activations, with_loss_peaks
 from fullshard.plan.config import DTYPE_BYTES, PlanConfig, UnitCost
