@@ -491,12 +491,12 @@ def test_corrupted_checkpoint_found_on_the_ranks_is_one_message(workdir: Path) -
     proc = subprocess.run(
         [
             sys.executable,
-            *["-m", "fullshard.app.cli", "train", "--model", "tiny", "--seq-len"],
-            *["32", "--batch-size", "4", "--eval-every", "0", "--sample-tokens"],
-            *["0", "--no-progress", "--runs-dir"],
+            *["-m", "fullshard.app.cli", "train", "--model", "tiny", "--seq-len", "32"],
+            *["--batch-size", "4", "--eval-every", "0", "--sample-tokens", "0", "--no-progress"],
+            *["--runs-dir"],
             str(workdir / "runs"),
-            *["--name", "exp", "--timeout", "60", "--max-steps", "6", "--resume"],
-            "latest",
+            *["--name", "exp", "--timeout", "60", "--max-steps", "6"],
+            *["--resume", "latest"],
         ],
         capture_output=True,
         text=True,

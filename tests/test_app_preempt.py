@@ -275,8 +275,8 @@ def test_sigterm_to_the_torchrun_agent(straight: Straight, tmp_path: Path) -> No
     run = tmp_path / "cut"
     cmd = [
         sys.executable,
-        *["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"],
-        *["2", "-m", "fullshard.app.cli", "train"],
+        *["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+        *["-m", "fullshard.app.cli", "train"],
         *TRAIN,
         "--runs-dir",
         str(tmp_path),

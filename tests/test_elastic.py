@@ -34,9 +34,9 @@ from fullshard.elastic import (
 from fullshard.elastic.membership import Decision, admission, after_loss
 
 COMMON = [
-    *["--model", "tiny", "--max-steps", "8", "--batch-size", "16"],
-    *["--micro-batch-size", "2", "--seq-len", "64", "--sample-tokens"],
-    *["0", "--no-progress", "--log-every", "1", "--eval-every", "0"],
+    *["--model", "tiny", "--max-steps", "8", "--batch-size", "16", "--micro-batch-size", "2"],
+    *["--seq-len", "64", "--sample-tokens", "0", "--no-progress", "--log-every", "1"],
+    *["--eval-every", "0"],
     "--deterministic",
 ]
 
@@ -275,8 +275,7 @@ def test_under_hsdp_a_lost_replica_is_rebuilt_from_the_other_replica(
     run = [
         "--runs-dir",
         str(tmp_path),
-        *["--name", "hsdp", "--strategy", "hybrid_shard", "--shard-size"],
-        "2",
+        *["--name", "hsdp", "--strategy", "hybrid_shard", "--shard-size", "2"],
     ]
     assert _elastic(run, monkeypatch, "kill:rank=2:step=4") == 0
     summary = json.loads((tmp_path / "hsdp" / "summary.json").read_text())

@@ -45,8 +45,8 @@ def _two_nodes(args: list[str], logs: Path) -> list[tuple[int, str]]:
     port = _free_port()
     cmd = [
         sys.executable,
-        *["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node"],
-        *["2", "--rdzv-backend", "c10d", "--rdzv-endpoint"],
+        *["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"],
+        *["--rdzv-backend", "c10d", "--rdzv-endpoint"],
         f"127.0.0.1:{port}",
         "--rdzv-id",
         f"fullshard-test-{port}",

@@ -443,9 +443,8 @@ def test_json_carries_memory_reserved_and_speed(capsys: pytest.CaptureFixture[st
         "plan",
         "--model",
         f"hf:{LLAMA_DIR}",
-        *["--devices", "8", "--batch", "1", "--seq", "2048", "--precision"],
-        *["bf16", "--activation-checkpointing", "selective", "--gpu"],
-        *["h100-80gb", "--json"],
+        *["--devices", "8", "--batch", "1", "--seq", "2048", "--precision", "bf16"],
+        *["--activation-checkpointing", "selective", "--gpu", "h100-80gb", "--json"],
     ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)

@@ -228,8 +228,8 @@ def cli_trace(cli: Cli) -> tuple[bool, str]:
         "1",
         "--device",
         cli.device,
-        *["--model", "tiny", "--steps", "2", "--warmup", "1", "--batch-size"],
-        *["2", "--seq-len", "32", "--out"],
+        *["--model", "tiny", "--steps", "2", "--warmup", "1", "--batch-size", "2"],
+        *["--seq-len", "32", "--out"],
         str(out),
     )
     if proc.returncode != 0:
@@ -250,9 +250,8 @@ def cli_bench(cli: Cli) -> tuple[bool, str]:
         "--device",
         cli.device,
         *["--model", "tiny", "--variants", "full_shard,fsdp2,ddp,single"],
-        *["--mixed-precision", "bf16", "--batch-size", "2", "--seq-len"],
-        *["32", "--warmup", "1", "--rounds", "2", "--memory-steps", "2"],
-        *["--timeout", "240", "--out"],
+        *["--mixed-precision", "bf16", "--batch-size", "2", "--seq-len", "32", "--warmup", "1"],
+        *["--rounds", "2", "--memory-steps", "2", "--timeout", "240", "--out"],
         str(out),
     )
     if proc.returncode != 0:
@@ -320,10 +319,9 @@ def cli_elastic(cli: Cli) -> tuple[bool, str]:
         *["train", "--model", "tiny", "--nproc", "2", "--backend", "gloo"],
         "--device",
         cli.device,
-        *["--elastic", "--deterministic", "--max-steps", "6", "--seq-len"],
-        *["32", "--batch-size", "8", "--micro-batch-size", "2"],
-        *["--log-every", "6", "--eval-every", "0", "--sample-tokens", "0"],
-        *["--timeout", "120", "--runs-dir"],
+        *["--elastic", "--deterministic", "--max-steps", "6", "--seq-len", "32"],
+        *["--batch-size", "8", "--micro-batch-size", "2", "--log-every", "6", "--eval-every", "0"],
+        *["--sample-tokens", "0", "--timeout", "120", "--runs-dir"],
         str(cli.runs),
         "--name",
         "elastic",
