@@ -158,16 +158,14 @@ _T = 1e12
 # FP32 67 TFLOPS, 3.35 TB/s, NVLink 900 GB/s (both directions: 450 each way). A DGX/HGX H100
 # node has one 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s each way). Memory is what CUDA reports
 # as the device's total (an "80GB" part: about 81,500 MiB), not the datasheet's round figure.
+# H100 SXM's dense matmul peaks (the datasheet's sparse figures halved), which the H200 shares;
+# fp32 matmuls run as TF32 (torch's default on CUDA: high)
+_H100_SXM_MATMUL = {"bf16": 989.4 * _T, "fp16": 989.4 * _T, "fp8": 1978.9 * _T, "fp32": 494.7 * _T}
 PRESETS: dict[str, Hardware] = {
     "h100-80gb": Hardware(
         name="h100-80gb",
         memory_bytes=79.6 * GIB,
-        matmul_flops={
-            "bf16": 989.4 * _T,
-            "fp16": 989.4 * _T,
-            "fp8": 1978.9 * _T,
-            "fp32": 494.7 * _T,
-        },  # fp32 matmuls run as TF32 (torch's default on CUDA: high)
+        matmul_flops=_H100_SXM_MATMUL,
         memory_bandwidth=3.35e12,
         intra_node_bandwidth=450 * _GBPS,
         inter_node_bandwidth=50 * _GBPS,
@@ -197,12 +195,7 @@ PRESETS: dict[str, Hardware] = {
     "h200": Hardware(
         name="h200",
         memory_bytes=140.4 * GIB,
-        matmul_flops={
-            "bf16": 989.4 * _T,
-            "fp16": 989.4 * _T,
-            "fp8": 1978.9 * _T,
-            "fp32": 494.7 * _T,
-        },
+        matmul_flops=_H100_SXM_MATMUL,  # the H100 SXM's compute
         memory_bandwidth=4.8e12,
         intra_node_bandwidth=450 * _GBPS,
         inter_node_bandwidth=50 * _GBPS,
