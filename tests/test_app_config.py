@@ -202,6 +202,17 @@ def test_sharding_options_from_flags_toml_and_back(tmp_path: Path) -> None:
     assert "# reshard_after_forward = (unset)" in to_toml(unset)
 
 
+def test_the_parallelism_section_says_its_words_on_the_run_line() -> None:
+    """The run line's words after the plan's summary come from the section (the trainer reads
+    no option of it): tensor parallel, --reshard-after-forward, CPU offload, in that order."""
+    assert TrainConfig().parallelism.describe() == ""
+    p = resolve(["--tp", "2", "--reshard-after-forward", "false", "--cpu-offload"]).parallelism
+    assert p.describe() == (
+        ", tensor parallel over 2 ranks, --reshard-after-forward false for the blocks, CPU offload"
+    )
+    assert TrainConfig.of(cpu_offload=True).parallelism.describe() == ", CPU offload"
+
+
 def test_launched_ranks_get_the_validated_config_itself() -> None:
     """The launcher hands its ranks the config it validated (no flags to parse again), every
     field as it was, floats to the bit."""

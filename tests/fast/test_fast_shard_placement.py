@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from commcount import C10dCounter
-from placement_models import Block, Net, largest_dim, shard_net
+from placement_models import Block, Net, dim1, largest_dim, shard_net
 from quant_toy import QuantWeight
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from toy import batches, loss_of
 
 import fullshard.shard.layout as layout_mod
-from fullshard import fully_shard
+from fullshard import FSDPModule, apply_plan, fully_shard, plan_sharding
 from fullshard.policies import FullshardError
 from fullshard.shard.layout import FlatLayout, chunk_of
 
@@ -130,6 +130,26 @@ def test_largest_dim_and_negative_dims(fake_pg: tuple[int, int]) -> None:
     assert placed["embed.weight"] == Shard(0) and placed["blocks.0.fc1.weight"] == Shard(0)
     lin = fully_shard(nn.Linear(8, 4), shard_placement_fn=lambda p: Shard(-1))
     assert lin.weight.placements == (Shard(1),) and lin.bias.placements == (Shard(0),)
+
+
+def test_apply_plan_gives_fully_shards_options_to_every_unit_and_the_root(
+    fake_pg: tuple[int, int],
+) -> None:
+    """``apply_plan`` forwards the ``fully_shard`` keywords it does not set itself (here
+    ``shard_placement_fn``) to each unit of the plan and to the root, ``None`` meaning
+    ``fully_shard``'s default (``parallelize``'s ``mp_policy=None``); a keyword ``fully_shard``
+    does not take is refused before any unit is sharded."""
+    _, world = fake_pg
+    model = Net()
+    plan = plan_sharding(model, "full_shard", [Block], world)
+    with pytest.raises(TypeError, match="shard_placment_fn, which fully_shard does not take"):
+        apply_plan(model, plan, shard_placment_fn=dim1)
+    assert not any(isinstance(m, FSDPModule) for m in model.modules())
+    apply_plan(model, plan, shard_placement_fn=dim1, mp_policy=None)
+    assert all(isinstance(m, FSDPModule) for m in (model, *model.blocks))
+    placed = {k: p.placements for k, p in model.named_parameters()}
+    assert placed["blocks.1.fc1.weight"] == placed["embed.weight"] == (Shard(1),)  # unit, root
+    assert placed["blocks.1.fc1.bias"] == (Shard(0),)
 
 
 def test_hsdp_placements(fake_pg: tuple[int, int]) -> None:

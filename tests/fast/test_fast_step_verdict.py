@@ -1,15 +1,18 @@
 """NOTE [The step's verdict on the device] (``app/train/verdict.py``) in one process: rows read
-``lag`` steps late unless urgent, the device schedule counting applied steps only, and its
-state written back for checkpoints."""
+``lag`` steps late unless urgent, the device schedule counting applied steps only, its state
+written back for checkpoints, and who decides the step (``app/train/build.device_decides``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fullshard.app.train.build import lr_lambda
+from fullshard import CPUOffloadPolicy, fully_shard
+from fullshard.app.config import OptimizerConfig
+from fullshard.app.train.build import device_decides, lr_lambda
 from fullshard.app.train.verdict import DeviceSchedule, StepVerdicts
 from fullshard.testing import cuda_emulation, sync_counts
+from fullshard.testing.emulation import as_host
 
 pytestmark = pytest.mark.fast
 
@@ -55,3 +58,24 @@ def test_the_device_schedule_counts_applied_steps_only_and_saves_as_lambda_lr() 
         d.reload()
         want = 0.5 * lr_lambda(last, warmup, total, ratio)
         assert float(opt.param_groups[0]["lr"]) == float(torch.tensor(want, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_host_decides_where_the_optimizers_parameters_live_in_host_memory(
+    fake_pg: tuple[int, int], offload: bool
+) -> None:
+    """``device_decides`` asks the sharded parameters, not the flag: on the CUDA path fused
+    AdamW's device verdict unless one of them is in host memory (``CPUOffloadPolicy``'s pinned
+    shards, or a model offloaded some other way), where the host's kernel would read a device
+    lr and found_inf before their copies land (NOTE [Kernel contracts])."""
+    fused = OptimizerConfig()  # adamw, auto: fused where the device decides
+    with cuda_emulation(all_device=True):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(model, offload_policy=CPUOffloadPolicy() if offload else None)
+        device = torch.device("cpu")  # the emulated CUDA device
+        assert device_decides(fused, model.parameters(), device) is not offload
+        host = as_host(torch.zeros(3))  # a plain parameter the user keeps on the host
+        assert not device_decides(fused, [*model.parameters(), host], device)
+        assert not device_decides(OptimizerConfig(impl="foreach"), model.parameters(), device)
+    # off the CUDA path (plain CPU) the host decides whatever the parameters
+    assert not device_decides(fused, model.parameters(), device)

@@ -236,6 +236,15 @@ class ParallelismConfig:
         "full_shard and hybrid_shard, false for the others); a value given overrides it",
     )
 
+    def describe(self) -> str:
+        """What the run line says after the sharding plan's summary: the options that shape
+        the sharding beyond the plan (", tensor parallel over 2 ranks, CPU offload"; '' for
+        none)."""
+        words = f", tensor parallel over {self.tp} ranks" if self.tp > 1 else ""
+        raf = self.reshard_after_forward
+        words += "" if raf is None else f", --reshard-after-forward {raf} for the blocks"
+        return words + (", CPU offload" if self.cpu_offload else "")
+
 
 @dataclass
 class OutputConfig:

@@ -14,6 +14,7 @@ Every strategy is one ``fully_shard`` configuration:
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -26,6 +27,13 @@ from fullshard.comm.mesh import compute_device
 from fullshard.engine.api import FSDPModule, fully_shard
 from fullshard.engine.sharding import ShardingPlan, as_strategy, plan_sharding
 from fullshard.policies import FullshardError, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+
+# what apply_plan passes on to every unit as given: fully_shard's keywords but the two it sets
+_PER_UNIT_OPTIONS = frozenset(inspect.signature(fully_shard).parameters) - {
+    "module",
+    "mesh",
+    "reshard_after_forward",
+}
 
 
 def mesh_device_type(model: nn.Module | None) -> str:
@@ -124,25 +132,34 @@ def apply_plan(
     plan: ShardingPlan,
     *,
     mesh: DeviceMesh | None = None,
-    mp_policy: MixedPrecisionPolicy | None = None,
     activation_checkpointing: bool = False,
-    offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool | int | None = None,
+    **options: Any,
 ) -> nn.Module:
     """``fully_shard`` every unit of ``plan`` (innermost first), then the root; returns ``model``.
 
-    ``reshard_after_forward``: what the units (not the root) do after forward, in place of the
-    strategy's (``fully_shard``'s argument; ``None``: the plan's)."""
+    ``mesh``: the plan's mesh (:func:`plan_mesh`). ``reshard_after_forward``: what the units
+    (not the root) do after forward, in place of the strategy's (``fully_shard``'s argument;
+    ``None``: the plan's). ``options``: any other keyword of :func:`~fullshard.fully_shard`
+    (``mp_policy``, ``offload_policy``, ``ignored_params``, ``shard_placement_fn``...), given
+    to every unit and the root alike; one left out or ``None`` is ``fully_shard``'s default."""
+    unknown = sorted(set(options) - _PER_UNIT_OPTIONS)
+    if unknown:  # before any unit is sharded: a half-sharded model helps no one
+        raise TypeError(
+            f"apply_plan() got {', '.join(unknown)}, which fully_shard does not take per unit; "
+            f"it takes {', '.join(sorted(_PER_UNIT_OPTIONS))} (and mesh, reshard_after_forward)"
+        )
+    # None as FSDP1's vocabulary says "the default" (fully_shard takes no mp_policy=None)
+    options = {k: v for k, v in options.items() if v is not None}
     shard_mesh = plan_mesh(plan, mesh, model)
-    kwargs: dict[str, Any] = {"mesh": shard_mesh, "offload_policy": offload_policy}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
     if reshard_after_forward is None:
         reshard_after_forward = plan.reshard_after_forward
     targets = [m for m in plan.unit_modules(model) if not isinstance(m, FSDPModule)]
     for module in reversed(targets):  # innermost first: fully_shard wants children done first
         if activation_checkpointing:
             _checkpoint_forward(module)
-        fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=plan.root_reshard_after_forward, **kwargs)
+        fully_shard(module, mesh=shard_mesh, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(
+        model, mesh=shard_mesh, reshard_after_forward=plan.root_reshard_after_forward, **options
+    )
     return model

@@ -6,11 +6,13 @@ follows again for each new membership)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fullshard import ShardedGradScaler
 from fullshard.app.config import OptimizerConfig, TrainConfig
@@ -23,7 +25,7 @@ from fullshard.app.train.fixed_order import GlobalBatches
 from fullshard.app.train.state import TrainState
 from fullshard.app.train.steps import Accumulate, Batches, Decider, DeviceStep, HostStep
 from fullshard.app.train.verdict import DeviceSchedule, fused_adamw_available
-from fullshard.comm.device import cuda_semantics
+from fullshard.comm.device import cuda_semantics, in_host_memory
 
 __all__ = [
     "Built",
@@ -167,7 +169,9 @@ def build_rank(
     if vocab < vocab_size:
         raise ConfigError(f"model vocabulary {vocab} < tokenizer vocabulary {vocab_size}")
     plan = shard_model(model, cfg.parallelism, unit_types_of(model), dims=dims)
-    on_device = device_decides(cfg, device)
+    on_device = device_decides(
+        cfg.optimizer, (p for p in model.parameters() if p.requires_grad), device
+    )
     opt = build_optimizer(model, cfg.optimizer, on_device)
     o, max_steps = cfg.optimizer, cfg.training.max_steps
 
@@ -190,23 +194,32 @@ def build_rank(
     return Built(state, batches, decider, scaler, plan, n_params)
 
 
-def device_decides(cfg: TrainConfig, device: torch.device) -> bool:
+def device_decides(
+    opt: OptimizerConfig, params: Iterable[torch.Tensor], device: torch.device
+) -> bool:
     """Whether the device decides each optimizer step (NOTE [The step's verdict on the
-    device]): on the CUDA path the device skips non-finite steps (fused AdamW's found_inf, a
-    device schedule) and the host reads verdicts a step late.
+    device]) over ``params``, the parameters the optimizer steps (sharded): on the CUDA path
+    the device skips non-finite steps (fused AdamW's found_inf, a device schedule) and the host
+    reads verdicts a step late.
 
-    Not with ``--cpu-offload``: the optimizer's parameters live on the host, whose kernel would
-    read a device lr and found_inf before their copies land (NOTE [Kernel contracts]); the host
-    waits for the gradients there anyway, and decides the step itself. Only fused AdamW takes
-    found_inf, so a GPU run with ``--optimizer-impl`` for-loop or foreach has the host decide
-    (and Muon's steps are the host's: its Newton-Schulz takes no found_inf)."""
+    Not when any of them lives in host memory (``--cpu-offload``, or a model offloaded some
+    other way): the host's kernel would read a device lr and found_inf before their copies land
+    (NOTE [Kernel contracts]); the host waits for the gradients there anyway, and decides the
+    step itself. Only fused AdamW takes found_inf, so a GPU run with ``--optimizer-impl``
+    for-loop or foreach has the host decide (and Muon's steps are the host's: its
+    Newton-Schulz takes no found_inf)."""
     return (
         cuda_semantics(device)
-        and cfg.optimizer.name == "adamw"
-        and cfg.optimizer.impl in ("auto", "fused")
+        and opt.name == "adamw"
+        and opt.impl in ("auto", "fused")
         and fused_adamw_available(device)
-        and not cfg.parallelism.cpu_offload
+        and not any(in_host_memory(_local(p)) for p in params)
     )
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    # a sharded parameter is a DTensor: its memory is its local tensor's
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _batches(

@@ -158,14 +158,9 @@ class Trainer:
 
     def announce(self) -> None:
         """Rank 0's run line: model, ranks, sharding, data, batches, run folder."""
-        p = self.cfg.parallelism
-        tp = f", tensor parallel over {p.tp} ranks" if p.tp > 1 else ""
-        raf = p.reshard_after_forward
-        options = "" if raf is None else f", --reshard-after-forward {raf} for the blocks"
-        options += ", CPU offload" if p.cpu_offload else ""
         print(
             f"fullshard train: {self.cfg.model.name} ({self.n_params / 1e6:.2f}M params), {self.world} "
-            f"ranks ({self.backend}), {self.plan.summary()}{tp}{options}, "
+            f"ranks ({self.backend}), {self.plan.summary()}{self.cfg.parallelism.describe()}, "
             f"{self.data.tokens:,} tokens ({self.data.words}), {self.batches.describe()} -> run "
             f"folder {self.run_dir}",
             flush=True,
