@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fullshard import ShardedGradScaler
 from fullshard.app.config import OptimizerConfig, TrainConfig
@@ -26,6 +25,7 @@ from fullshard.app.train.state import TrainState
 from fullshard.app.train.steps import Accumulate, Batches, Decider, DeviceStep, HostStep
 from fullshard.app.train.verdict import DeviceSchedule, fused_adamw_available
 from fullshard.comm.device import cuda_semantics, in_host_memory
+from fullshard.engine.param import local_of
 
 __all__ = [
     "Built",
@@ -213,13 +213,9 @@ def device_decides(
         and opt.name == "adamw"
         and opt.impl in ("auto", "fused")
         and fused_adamw_available(device)
-        and not any(in_host_memory(_local(p)) for p in params)
+        # a sharded parameter is a DTensor: its memory is its local tensor's
+        and not any(in_host_memory(local_of(p)) for p in params)
     )
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    # a sharded parameter is a DTensor: its memory is its local tensor's
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _batches(
