@@ -178,8 +178,14 @@ class FSDPState:
                 m.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True),
                 m.register_forward_hook(self.post_forward, prepend=False),
             ]
-        for p in unit.params:  # frozen ones too: hooked once unfrozen (NOTE [Freezing after
-            p.on_grad_accumulated(self._on_grad_accumulated)  # fully_shard], unit.py)
+        # Each parameter's event is the count itself: no call in between, and no
+        # ``outside_compile`` (issue 45: 0.6 us a call in situ). It would guard nothing: only
+        # the autograd engine calls these, and compiled autograd, the one tracer that could
+        # reach them, is refused first by the unit's pre-backward hook (NOTE [Hooks run outside
+        # torch.compile]). Frozen parameters too: hooked once unfrozen (NOTE [Freezing after
+        # fully_shard], unit.py).
+        for p in unit.params:
+            p.on_grad_accumulated(self.on_post_backward_event)
 
     # -- root -----------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -393,14 +399,6 @@ class FSDPState:
         counts[0] += 1
         if counts[0] == counts[1]:
             self.schedule.post_backward(self.unit)
-
-    # each trainable parameter's event: the count itself, no call in between and no
-    # ``outside_compile`` (issue 45: 0.6 us a call in situ, 4 events a unit). It
-    # guards nothing here: these hooks run from the autograd engine only, and compiled
-    # autograd, the one tracer that could reach them, is refused by the unit's pre-backward
-    # hook (wrapped, so it runs eagerly), which runs before any of the unit's parameters gets
-    # a gradient (NOTE [Hooks run outside torch.compile])
-    _on_grad_accumulated = on_post_backward_event
 
     def _param_nodes(self) -> list[Node]:
         """The gradient accumulators of the unit's trainable gathered parameters:
