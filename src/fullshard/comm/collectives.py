@@ -23,6 +23,16 @@ waited for (``_host_wait``), per (group, device), and the group's backend name p
 rank runs]), a timeline, the CUDA emulation's model of each collective, gloo's reduce-scatter as
 an all-to-all (NOTE [Reduce-scatter on gloo]), a fixed-order sum, a custom collective. Both
 paths count the same bytes and return the same ``Pending``.
+
+NOTE [Issuing on the group itself]
+On that plain path the all-gather and reduce-scatter go to the process group's own method
+(``ProcessGroup.all_gather_single``, ``_allgather_base`` before torch 2.13; the reduce-scatter's
+likewise) with options made once, which is what ``torch.distributed``'s function calls after its
+checks: 3.3 us a collective at 64 ranks, three a unit a step (issue 45). Its checks hold by
+construction there (two plain tensors, a group this rank is in), except three that can change
+between calls, tested at each: a torch function mode (non-strict export traces the function),
+a ``_coalescing_manager`` block on the group (the function only records the collective), and a
+complex tensor (sent as its real view). Any of them takes ``torch.distributed``'s function.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.overrides import has_torch_function
 
 from fullshard.comm.desync import (
     INTERRUPTS_EVER_SET,
@@ -57,6 +68,22 @@ from fullshard.policies import Phase
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.4 has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# NOTE [Issuing on the group itself]: the methods those functions call, and their options
+_PG_GATHER = (
+    getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
+)
+_PG_SCATTER = (
+    getattr(dist.ProcessGroup, "reduce_scatter_single", None)
+    or dist.ProcessGroup._reduce_scatter_base
+)
+_c10d = dist.distributed_c10d
+_GATHER_OPTS = _c10d.AllgatherOptions()
+_SCATTER_OPTS = _c10d.ReduceScatterOptions()
+_SCATTER_OPTS.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # pybind converts it
+for _opts in (_GATHER_OPTS, _SCATTER_OPTS):
+    if hasattr(_opts, "asyncOp"):  # torch < 2.7: every collective of a group is async
+        _opts.asyncOp = True
 
 
 class Timeline(Protocol):
@@ -659,7 +686,15 @@ class Comm:
         if custom is None:
             host_wait = self._plain_route(self.group, out, what)
             if host_wait is not None:
-                work = _all_gather_single(out, send, group=self.group, async_op=True)
+                # NOTE [Issuing on the group itself] (inline: three a unit a step)
+                if not (
+                    has_torch_function((out, send))
+                    or self.group in _c10d._world.pg_coalesce_state
+                    or out.is_complex()
+                ):
+                    work = _PG_GATHER(self.group, out, send, _GATHER_OPTS)
+                else:
+                    work = _all_gather_single(out, send, group=self.group, async_op=True)
                 nbytes = out.numel() * out.element_size()
                 return self._issued("all_gather", work, nbytes, what, pos, self.group, host_wait)
             return all_gather(out, send, self.group, position=pos, **self._bound(what))
@@ -686,9 +721,17 @@ class Comm:
             plain = not self.fixed_order and backend_name(group) != "gloo"
             host_wait = self._plain_route(group, full, what) if plain else None
             if host_wait is not None:
-                work = _reduce_scatter_single(
-                    out, full.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True
-                )
+                flat = full.view(-1)
+                if not (
+                    has_torch_function((out, flat))
+                    or group in _c10d._world.pg_coalesce_state
+                    or out.is_complex()
+                ):  # NOTE [Issuing on the group itself]
+                    work = _PG_SCATTER(group, out, flat, _SCATTER_OPTS)
+                else:
+                    work = _reduce_scatter_single(
+                        out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True
+                    )
                 nbytes = full.numel() * full.element_size()
                 return self._issued("reduce_scatter", work, nbytes, what, pos, group, host_wait)
             return reduce_scatter(
