@@ -63,3 +63,33 @@ def test_pack_for_reduce_puts_each_ranks_rows_in_its_block(world: int) -> None:
             want = torch.zeros_like(got) if g is None else chunk_of(g, world, r)
             assert torch.equal(got, want)
         assert torch.equal(block[layout.shard_numel :], extra[r])
+
+
+@pytest.mark.parametrize("world", [3, 8])
+def test_pack_for_reduce_casts_gradients_the_same_in_the_kernel_or_after(world: int) -> None:
+    """bf16 gradients packed for an fp32 reduce-scatter (mixed precision): the CUDA way (one
+    casting kernel) and the CPU way (interleave, then one cast) give the same bits, padding
+    included."""
+    shapes = _shapes()
+    grads = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    grads[1] = None  # zeros, in either way
+    layout = FlatLayout(shapes, world)
+    extra = torch.ones(world, 3, dtype=torch.bfloat16)
+    packed = {}
+    for cast_in_kernel in (True, False):
+        packed[cast_in_kernel] = layout.pack_for_reduce(
+            grads,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            extra=extra,
+            cast_in_kernel=cast_in_kernel,
+        )
+    assert torch.equal(packed[True], packed[False])
+    block = packed[False]
+    assert block.dtype == torch.float32 and block.shape == (world, layout.shard_numel + 3)
+    for r in range(world):
+        for i, g in enumerate(grads):
+            got = layout.shard_view(block[r, : layout.shard_numel], i, r)
+            want = torch.zeros_like(got) if g is None else chunk_of(g, world, r).float()
+            assert torch.equal(got, want)
+        assert torch.equal(block[r, layout.shard_numel :], extra[r].float())

@@ -631,8 +631,10 @@ class CommUnit:
             bits = next(iter([g.dtype for g in grads if g is not None]), dtype)
             extra = reduce_tag_columns(pos, present, bits, device, world)
         # packed on the compute stream, where autograd made the gradients (rule 3)
-        full = self.grad_layout.pack_for_reduce(grads, dtype=dtype, device=device, extra=extra)
         s = self.streams
+        full = self.grad_layout.pack_for_reduce(
+            grads, dtype=dtype, device=device, extra=extra, cast_in_kernel=s.cuda
+        )
         if s.cuda:  # a name for the CUDA emulation's messages
             name_tensor(full, lambda: f"packed gradients of unit '{self.name}'")
         del grads  # the packed copy is all we need: the full gradients go now
