@@ -113,6 +113,13 @@ class Position:
         label = _LABELS.get((self.kind, self.phase))
         return label if label is not None else position_label(self.kind, self.phase)
 
+    def phase_seq(self) -> int:
+        """Tag bytes 3 and 4 (phase, sequence mod 256) as one row of ``phase_seq_rows``."""
+        phase = _PHASE_BYTES.get((self.kind, self.phase))  # one read per collective
+        if phase is None:
+            phase = _LABEL_INDEX[self.label]
+        return phase * 256 + self.seq % 256
+
     def tag_bytes(self) -> list[int]:
         """The five tag bytes of this position (NOTE [Collective positions])."""
         phase = _PHASE_BYTES.get((self.kind, self.phase))  # one read per collective
@@ -174,16 +181,24 @@ def write_static_tag(tail: torch.Tensor, index: int) -> None:
 
 def write_dynamic_tag(tail: torch.Tensor, pos: Position) -> None:
     """Phase and sequence of this gather into ``tail[3:5]`` (one copy from a device table)."""
-    write_phase_seq(tail[3:5], pos)
+    write_phase_seq(tail[3:5], None, pos)
 
 
-def write_phase_seq(slot: torch.Tensor, pos: Position) -> None:
+def phase_seq_rows(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The table ``write_phase_seq`` copies a row of, for a caller that keeps it (a lookup by
+    device and dtype costs more than the copy)."""
+    return _tables(device, dtype)[0]
+
+
+def write_phase_seq(slot: torch.Tensor, rows: torch.Tensor | None, pos: Position) -> None:
     """``write_dynamic_tag`` into ``slot``, the tag's last two elements (a view kept by the
-    caller: one copy kernel and nothing else per gather)."""
-    b = pos.tag_bytes()
+    caller: one copy kernel and nothing else per gather); ``rows``: ``phase_seq_rows`` of the
+    slot's device and dtype when the caller keeps it, else ``None``."""
+    if rows is None:
+        rows = _tables(slot.device, slot.dtype)[0]
     # a row of the table by index (a view), not a tuple of its 1280 rows kept: those cost
     # 0.8 MiB of tensor objects per dtype, against a microsecond per gather
-    slot.copy_(_tables(slot.device, slot.dtype)[0][b[3] * 256 + b[4]])
+    slot.copy_(rows[pos.phase_seq()])
 
 
 def reduce_tag_row(

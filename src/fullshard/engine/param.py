@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from fullshard.comm.desync import UNREGISTERED, write_static_tag
+from fullshard.comm.desync import UNREGISTERED, phase_seq_rows, write_static_tag
 from fullshard.comm.mesh import MeshInfo
 from fullshard.engine.spmd import TPSpec
 from fullshard.policies import FullshardError
@@ -413,7 +413,8 @@ class ShardGroup:
         self.unit_name = ""
         # the storage and its regions the gather's copy-out writes (``FlatLayout.copy_targets``)
         self._targets: tuple[GatheredStorage, list[torch.Tensor] | None] | None = None
-        self._phase_seq: tuple[torch.Tensor, torch.Tensor] | None = None  # (flat, its tag slot)
+        # (flat, its tag slot, ``phase_seq_rows`` of the wire's device and dtype)
+        self._phase_seq: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def aliased(self) -> bool:
@@ -524,16 +525,16 @@ class ShardGroup:
             return flat
         return flat.to(self.mesh.device, self.compute_dtype, non_blocking=True)
 
-    def phase_seq_slot(self, part: torch.Tensor) -> torch.Tensor:
-        """The last two elements of ``part`` (this group's send part that ends in the tag):
-        where ``write_phase_seq`` writes. The flat buffer's view is kept (it is sent as it is
-        unless cast)."""
-        if part is not self.flat:
-            return part[-2:]
+    def phase_seq_slot(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where ``write_phase_seq`` writes in ``part`` (this group's send part that ends in the
+        tag: its last two elements) and the table it copies from. Both are kept per flat buffer:
+        its slot (sent as it is unless cast) and the table of the wire's dtype and device, which
+        a group's flat buffer keeps (a cast part's slot is its own each gather)."""
         kept = self._phase_seq
-        if kept is None or kept[0] is not part:
-            kept = self._phase_seq = (part, part[-2:])
-        return kept[1]
+        if kept is None or kept[0] is not self.flat or kept[2].dtype is not part.dtype:
+            rows = phase_seq_rows(part.device, part.dtype)
+            kept = self._phase_seq = (self.flat, self.flat[-2:], rows)
+        return (kept[1] if part is self.flat else part[-2:]), kept[2]
 
     # -- the all-gather (the unit concatenates its groups' parts; NOTE [Mixed-dtype units]) ---
     def wire_parts(self) -> list[torch.Tensor]:

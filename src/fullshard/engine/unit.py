@@ -24,7 +24,8 @@ saves cost tensor ops and Python calls):
 
 - the views the gather's copy-out writes (``FlatLayout.copy_targets``): per gathered storage,
   made again when a storage is built (a cast, ``to_empty``, a load with ``assign=True``);
-- the tag slot of the send buffer (``ShardGroup.phase_seq_slot``): per flat shard buffer;
+- the tag slot of the send buffer and the table its row comes from (``ShardGroup.phase_seq_slot``):
+  per flat shard buffer;
 - the reduce-scatter's tag columns (``desync.reduce_tag_columns``): per unit index, presence
   pattern, dtype and world size;
 - where each gradient lies in the reduced shard (``_grad_rows``): per trainable layout, made
@@ -487,7 +488,7 @@ class CommUnit:
         tag at the end (NOTE [Collective positions]: written into what is sent, a copy when
         cast)."""
         parts = [t for g in self.groups for t in g.wire_parts()]
-        write_phase_seq(self.groups[-1].phase_seq_slot(parts[-1]), pos)
+        write_phase_seq(*self.groups[-1].phase_seq_slot(parts[-1]), pos)
         return join_wire(parts)
 
     def wait_for_unshard(self, phase: Phase = Phase.IDLE) -> None:
