@@ -69,13 +69,16 @@ from fullshard.policies import Phase
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# NOTE [Issuing on the group itself]: the methods those functions call, and their options
+# NOTE [Issuing on the group itself]: the methods those functions call (looked up on the group:
+# a process group written in Python, such as torch's threaded one, overrides them), and their
+# options
 _PG_GATHER = (
-    getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
+    "all_gather_single" if hasattr(dist.ProcessGroup, "all_gather_single") else "_allgather_base"
 )
 _PG_SCATTER = (
-    getattr(dist.ProcessGroup, "reduce_scatter_single", None)
-    or dist.ProcessGroup._reduce_scatter_base
+    "reduce_scatter_single"
+    if hasattr(dist.ProcessGroup, "reduce_scatter_single")
+    else "_reduce_scatter_base"
 )
 _c10d = dist.distributed_c10d
 _GATHER_OPTS = _c10d.AllgatherOptions()
@@ -692,7 +695,7 @@ class Comm:
                     or self.group in _c10d._world.pg_coalesce_state
                     or out.is_complex()
                 ):
-                    work = _PG_GATHER(self.group, out, send, _GATHER_OPTS)
+                    work = getattr(self.group, _PG_GATHER)(out, send, _GATHER_OPTS)
                 else:
                     work = _all_gather_single(out, send, group=self.group, async_op=True)
                 nbytes = out.numel() * out.element_size()
@@ -727,7 +730,7 @@ class Comm:
                     or group in _c10d._world.pg_coalesce_state
                     or out.is_complex()
                 ):  # NOTE [Issuing on the group itself]
-                    work = _PG_SCATTER(group, out, flat, _SCATTER_OPTS)
+                    work = getattr(group, _PG_SCATTER)(out, flat, _SCATTER_OPTS)
                 else:
                     work = _reduce_scatter_single(
                         out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True
