@@ -122,10 +122,8 @@ class Position:
 
     def tag_bytes(self) -> list[int]:
         """The five tag bytes of this position (NOTE [Collective positions])."""
-        phase = _PHASE_BYTES.get((self.kind, self.phase))  # one read per collective
-        if phase is None:
-            phase = _LABEL_INDEX[self.label]
-        return [TAG_MAGIC, self.index >> 8 & 0xFF, self.index & 0xFF, phase, self.seq % 256]
+        row = self.phase_seq()
+        return [TAG_MAGIC, self.index >> 8 & 0xFF, self.index & 0xFF, row >> 8, row & 0xFF]
 
 
 _LABEL_INDEX = {label: i for i, label in enumerate(PHASE_LABELS)}
@@ -220,16 +218,16 @@ def reduce_tag_columns(
     (alike in every step of a unit), and the sequence byte's bits (one of 256). Up to
     ``KEEP_TAG_ROWS`` ranks both are kept, so a step's tag costs no kernel of its own; in
     larger groups (a few kilobytes a unit) each is expanded at each reduce-scatter."""
-    b = pos.tag_bytes()
-    index = b[1] << 8 | b[2]
-    key = (tuple(present), index, b[3], dtype, device)
+    row = pos.phase_seq()  # tag bytes 3 and 4; bytes 1 and 2 are the unit's index
+    phase, seq = row >> 8, row & 0xFF
+    key = (tuple(present), pos.index & 0xFFFF, phase, dtype, device)
     if world > KEEP_TAG_ROWS:
         _, bits = _tables(device, dtype)
         head = _reduce_tag_head(*key).expand(world, -1).contiguous()
-        return [head, bits[b[4]].expand(world, -1).contiguous()]
+        return [head, bits[seq].expand(world, -1).contiguous()]
     # a sequence byte's rows: a view of the kept table by index (contiguous), not one of 256
     # tensor objects kept
-    return [_reduce_tag_rows(*key, world), _sequence_bits(world, dtype, device)[b[4]]]
+    return [_reduce_tag_rows(*key, world), _sequence_bits(world, dtype, device)[seq]]
 
 
 KEEP_TAG_ROWS = 256  # reduce_tag_columns keeps its rows up to this many ranks
