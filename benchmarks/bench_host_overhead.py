@@ -30,9 +30,13 @@ a figure is the median over ``--rounds`` rounds of its per-step mean. Host overh
 a phase = (the FSDP's median - plain's median) / 32.
 
 Torch's fake group is not free: its all-gather copies the shard into every rank's chunk of the
-output, O(world) host work that both FSDPs pay. So the rounds also time the fake collectives of
-a step alone (per unit: the all-gathers and the reduce-scatter each configuration issues), and
-every ratio is given with and without that cost taken off both overheads.
+output, O(world) host work that both FSDPs pay and that a GPU's collectives do not put on the
+host. So after the rounds the two FSDPs run ``--backend-steps`` more steps of each
+configuration, alternating, with the group's collective methods wrapped in the clock: the time
+spent inside them (per unit, the median step) is that FSDP's own cost of the fake backend,
+measured where it is paid (cold output buffers and all: timed alone in a loop, the same
+collectives cost a third less at world 64 and three fifths less at world 8). Every ratio is
+given with and without it, each FSDP's taken off its own overhead.
 
 ``--hooks N`` times N fullshard steps with each hook entry point wrapped in a clock (after the
 rounds, in the same process): microseconds per unit per step of each hook, and the rest of the
@@ -153,55 +157,78 @@ def _stepper(
     return step
 
 
-def _collectives(
-    world: int, gathers: int, dtype: torch.dtype
-) -> Callable[[dict[str, float]], None]:
-    """What an FSDP asks of the fake backend in a step: per unit, ``gathers`` all-gathers (in
-    ``dtype``) and one fp32 reduce-scatter of the unit's 8,320 elements, through
-    ``torch.distributed``. Torch's fake group copies the input into each of the world's chunks
-    of the output (``FakeProcessGroup.hpp``), so its cost grows with the world size."""
-    numel = 2 * (DIM * DIM + DIM)
-    shard = -(-numel // world)
-    full, local = torch.empty(shard * world, dtype=dtype), torch.zeros(shard, dtype=dtype)
-    rs_full, rs_out = torch.empty(shard * world), torch.zeros(shard)
-    # torch 2.13 deprecates the older names (fullshard takes the newer where it exists)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# the fake group's collective methods both FSDPs reach (torch 2.13 renamed the older two)
+BACKEND_METHODS = (
+    "all_gather_single",
+    "_allgather_base",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+)
+
+
+def _backend_time(n: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Per configuration and FSDP: ms per unit per step spent inside the fake group's own
+    collective methods, each wrapped in the clock: the median of ``n`` steps (after 3 untimed).
+    """
+    group_type = type(dist.group.WORLD)
     clock = CLOCK[0]
+    spent = [0.0]
+    patched: list[tuple[type, str, Any]] = []
+    for name in BACKEND_METHODS:
+        owner = next((c for c in group_type.__mro__ if name in c.__dict__), None)
+        if owner is None:
+            continue
+        orig = getattr(group_type, name)
 
-    def step(acc: dict[str, float]) -> None:
-        t = clock()
-        for _ in range(UNITS):
-            for _ in range(gathers):
-                gather(full, local, async_op=True).wait()
-            scatter(rs_out, rs_full, async_op=True).wait()
-        acc["step"] += clock() - t
+        def timed(self: Any, *a: Any, _orig: Any = orig, **k: Any) -> Any:
+            t = clock()
+            try:
+                return _orig(self, *a, **k)
+            finally:
+                spent[0] += clock() - t
 
-    return step
-
-
-def _coll_key(config: str) -> str:
-    return f"collectives {config}"
+        # put back as it was found (the class's own entry: a pybind method, not a function)
+        patched.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, timed)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for config in args.configs:
+            impls = ("fullshard", "fsdp2")
+            steps = {impl: _stepper(impl, config, ["foreach"], args.batch) for impl in impls}
+            per_step: dict[str, list[float]] = {impl: [] for impl in impls}
+            acc: dict[str, float] = defaultdict(float)
+            for r in range(n + 3):  # the two alternate step by step
+                for impl, step in steps.items():
+                    spent[0] = 0.0
+                    step(acc)
+                    if r >= 3:
+                        per_step[impl].append(spent[0])
+            # the median step: one step's page faults or collection do not move it
+            out[config] = {i: 1e3 * statistics.median(v) / UNITS for i, v in per_step.items()}
+    finally:
+        for owner, name, entry in patched:
+            setattr(owner, name, entry)
+    return out
 
 
 def _variants(args: argparse.Namespace) -> dict[str, Callable[[dict[str, float]], None]]:
-    world = dist.get_world_size()
     steps: dict[str, Callable[[dict[str, float]], None]] = {}
     for config in args.configs:
         optims = list(OPTIMS) if config == "base" else ["foreach"]
         for impl in IMPLS:
             steps[f"{impl} {config}"] = _stepper(impl, config, optims, args.batch)
-        dtype = torch.bfloat16 if config == "bf16" else torch.float32
-        steps[_coll_key(config)] = _collectives(world, 1 if config == "noreshard" else 2, dtype)
     if args.armed:
         steps[ARMED] = _stepper("fullshard", "base", list(OPTIMS), args.batch, armed=True)
     return steps
 
 
 def _summarise(
-    times: dict[str, list[dict[str, float]]], args: argparse.Namespace
+    times: dict[str, list[dict[str, float]]],
+    backend: dict[str, dict[str, float]],
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Medians per variant and phase (ms per step), overheads per unit (ms), ratios."""
+    """Medians per variant and phase (ms per step), overheads per unit (ms), ratios
+    (``backend``: ``_backend_time``'s)."""
     med = {
         v: {k: 1e3 * statistics.median(r[k] for r in rounds) for k in rounds[0]}
         for v, rounds in times.items()
@@ -209,7 +236,7 @@ def _summarise(
     out: dict[str, Any] = {"median_ms": med, "configs": {}}
     for config in args.configs:
         optims = list(OPTIMS) if config == "base" else ["foreach"]
-        plain, coll = med[f"plain {config}"], med[_coll_key(config)]["step"] / UNITS
+        plain, coll = med[f"plain {config}"], backend[config]
         figures: dict[str, Any] = {"fake_collectives_per_unit_ms": coll}
         wholes = {"fwd+bwd": ("forward", "backward")} | {
             f"step {o}": ("forward", "backward", o, "zero_grad") for o in optims
@@ -223,13 +250,13 @@ def _summarise(
                 for impl in ("fullshard", "fsdp2")
             }
             # the fake collectives run in forward and backward
-            taken = coll if name in wholes else 0.0
+            taken = {impl: coll[impl] if name in wholes else 0.0 for impl in over}
             figures[name] = {
                 "fullshard_ms": over["fullshard"],
                 "fsdp2_ms": over["fsdp2"],
                 "ratio": over["fullshard"] / over["fsdp2"],
-                "ratio_without_fake_collectives": (over["fullshard"] - taken)
-                / (over["fsdp2"] - taken),
+                "ratio_without_fake_collectives": (over["fullshard"] - taken["fullshard"])
+                / (over["fsdp2"] - taken["fsdp2"]),
             }
         out["configs"][config] = figures
     if args.armed:
@@ -340,7 +367,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
                     step(acc)
                 if r >= args.warmup:
                     times[v].append({k: s / args.steps for k, s in acc.items()})
-        res = _summarise(times, args)
+        res = _summarise(times, _backend_time(args.backend_steps, args), args)
         if args.hooks:
             res["hooks_us_per_unit"] = _hook_clock(args.hooks, args)
         if args.profile:
@@ -362,15 +389,17 @@ def _table(results: dict[str, Any], args: argparse.Namespace) -> None:
     for world, res in results.items():
         for config, figs in res["configs"].items():
             for name, f in figs.items():
-                if not isinstance(f, dict):
+                if name == "fake_collectives_per_unit_ms":
                     continue
                 print(
                     f"  {world:>5s} {config:>9s} {name:>16s} {f['fullshard_ms']:9.3f} "
                     f"{f['fsdp2_ms']:9.3f} {f['ratio']:6.2f}x "
                     f"{f['ratio_without_fake_collectives']:6.2f}x"
                 )
+            coll = figs["fake_collectives_per_unit_ms"]
             print(
-                f"  {'':>5s} {config:>9s} fake collectives/unit {figs['fake_collectives_per_unit_ms']:.3f}"
+                f"  {'':>5s} {config:>9s} fake collectives/unit {coll['fullshard']:9.3f} "
+                f"{coll['fsdp2']:9.3f}"
             )
         for name, f in res.get("armed", {}).items():
             print(
@@ -384,7 +413,8 @@ def _table(results: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"  {world:>5s} load average during the run: {res['load_average']}")
     print(
         "  ratio: fullshard's overhead / fsdp2's (below 1: fullshard costs less); -fake: the same"
-        " with the fake backend's own collectives (timed alone) taken off both"
+        " with each FSDP's time inside the fake backend's collectives (timed in its own steps)"
+        " taken off its overhead"
     )
 
 
@@ -398,6 +428,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--hooks", type=int, default=0, help="time N steps' hooks (each world)")
+    ap.add_argument(
+        "--backend-steps",
+        type=int,
+        default=15,
+        help="steps per FSDP and configuration timing the fake backend's collectives (median)",
+    )
     ap.add_argument(
         "--clock", choices=("cpu", "wall"), default="cpu", help="thread CPU time or wall time"
     )
@@ -416,8 +452,8 @@ def main() -> int:
     results: dict[str, Any] = {}
     for i, world in enumerate(worlds):
         cmd = [sys.executable, os.path.abspath(__file__), "--world-one", str(world)]
-        for flag in ("rounds", "warmup", "steps", "batch", "hooks", "clock"):
-            cmd += [f"--{flag}", str(getattr(args, flag))]
+        for flag in ("rounds", "warmup", "steps", "batch", "hooks", "backend_steps", "clock"):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         cmd += ["--configs", ",".join(args.configs)] + ([] if args.armed else ["--no-armed"])
         if args.profile and i == 0:
             cmd += ["--profile", str(args.profile)]
@@ -432,9 +468,10 @@ def main() -> int:
             "what": "host overhead per unit per step of each phase = (FSDP's median - plain's "
             "median) / units; a whole step = forward + backward + one optimizer's step + "
             "zero_grad",
-            "fake_collectives": "the fake backend's all-gathers and reduce-scatter per unit of "
-            "each configuration, timed alone in the same rounds; *_without_fake_collectives "
-            "takes it off both overheads",
+            "fake_collectives": "ms per unit per step each FSDP spent inside the fake group's "
+            "collective methods (wrapped in the clock, --backend-steps steps of each "
+            "configuration after the rounds); *_without_fake_collectives takes each FSDP's off "
+            "its own overhead",
             "units": UNITS,
             "unit": f"Sequential(Linear({DIM}, {DIM}), GELU(), Linear({DIM}, {DIM}))",
             "batch": args.batch,
