@@ -166,10 +166,12 @@ BACKEND_METHODS = (
 )
 
 
-def _backend_time(n: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+def _backend_time(
+    steps: dict[str, Callable[[dict[str, float]], None]], n: int, configs: list[str]
+) -> dict[str, dict[str, float]]:
     """Per configuration and FSDP: ms per unit per step spent inside the fake group's own
-    collective methods, each wrapped in the clock: the median of ``n`` steps (after 3 untimed).
-    """
+    collective methods, each wrapped in the clock, in ``n`` more steps (after 3 untimed) of the
+    rounds' variants (``steps``): the median step."""
     group_type = type(dist.group.WORLD)
     clock = CLOCK[0]
     spent = [0.0]
@@ -192,15 +194,14 @@ def _backend_time(n: int, args: argparse.Namespace) -> dict[str, dict[str, float
         setattr(owner, name, timed)
     out: dict[str, dict[str, float]] = {}
     try:
-        for config in args.configs:
+        for config in configs:
             impls = ("fullshard", "fsdp2")
-            steps = {impl: _stepper(impl, config, ["foreach"], args.batch) for impl in impls}
             per_step: dict[str, list[float]] = {impl: [] for impl in impls}
             acc: dict[str, float] = defaultdict(float)
             for r in range(n + 3):  # the two alternate step by step
-                for impl, step in steps.items():
+                for impl in impls:
                     spent[0] = 0.0
-                    step(acc)
+                    steps[f"{impl} {config}"](acc)
                     if r >= 3:
                         per_step[impl].append(spent[0])
             # the median step: one step's page faults or collection do not move it
@@ -367,7 +368,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
                     step(acc)
                 if r >= args.warmup:
                     times[v].append({k: s / args.steps for k, s in acc.items()})
-        res = _summarise(times, _backend_time(args.backend_steps, args), args)
+        backend = _backend_time(steps, args.backend_steps, args.configs)
+        res = _summarise(times, backend, args)
         if args.hooks:
             res["hooks_us_per_unit"] = _hook_clock(args.hooks, args)
         if args.profile:
